@@ -1,0 +1,210 @@
+"""The token-first records that cross every process boundary, and their invariant checks.
+
+A trajectory is one or more segments; a segment is a flat token sequence whose aligned fields say
+which tokens were sampled (``action_mask``), with which log-probability (``rollout_logprobs``) and
+by which policy version (``versions``). Nothing here decodes text: the ids *are* the data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+NO_VERSION = -1  # `versions` value on tokens the policy did not sample (prompt, observations)
+
+
+class ContractError(ValueError):
+    """A record breaks the token-first contract; the message names the field, index and value."""
+
+
+@dataclass
+class SamplingParams:
+    """How an engine samples one turn. ``top_k <= 0`` and ``top_p == 1`` disable those filters."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int = 256
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ContractError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ContractError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise ContractError(f"SamplingParams.min_p must be in [0, 1), got {self.min_p}")
+        if self.max_tokens < 1:
+            raise ContractError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        return SamplingParams(**{**_plain(self), **changes})
+
+
+@dataclass
+class Generation:
+    """What an engine returns for one request: the sampled ids and, per sampled token, its logprob,
+    the policy version that sampled it and (MoE) its routed experts, shaped (tokens, layers, top_k)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # "stop" (a stop id was sampled), "length" (max_tokens), "abort"
+    routed_experts: torch.Tensor | None = None
+
+
+@dataclass
+class Sample:
+    """One segment: ``token_ids`` with per-token aligned fields. Non-action tokens carry logprob 0.0
+    and version ``NO_VERSION``; ``routed_experts`` is (tokens, moe_layers, top_k) ints when set."""
+
+    token_ids: list[int]
+    action_mask: list[int]
+    rollout_logprobs: list[float]
+    versions: list[int]
+    routed_experts: torch.Tensor | None = None
+    mm_inputs: dict[str, torch.Tensor] | None = None
+
+    @property
+    def num_actions(self) -> int:
+        return sum(self.action_mask)
+
+    def validate(self, where: str = "sample") -> None:
+        n = len(self.token_ids)
+        for name in ("action_mask", "rollout_logprobs", "versions"):
+            m = len(getattr(self, name))
+            if m != n:
+                raise ContractError(f"{where}.{name} has length {m} but token_ids has length {n}")
+        for i, (tok, mask) in enumerate(zip(self.token_ids, self.action_mask)):
+            if not isinstance(tok, int) or tok < 0:
+                raise ContractError(f"{where}.token_ids[{i}] must be a non-negative int, got {tok!r}")
+            if mask not in (0, 1):
+                raise ContractError(f"{where}.action_mask[{i}] must be 0 or 1, got {mask!r}")
+            if mask:
+                lp, v = self.rollout_logprobs[i], self.versions[i]
+                if not math.isfinite(lp) or lp > 0:
+                    raise ContractError(
+                        f"{where}.rollout_logprobs[{i}] on an action token must be finite and <= 0, got {lp!r}")
+                if not isinstance(v, int) or v < 0:
+                    raise ContractError(
+                        f"{where}.versions[{i}] on an action token must be a policy version >= 0, got {v!r}")
+        if not any(self.action_mask):
+            raise ContractError(f"{where} has no action tokens (action_mask is all 0); nothing to train on")
+        if self.routed_experts is not None:
+            r = self.routed_experts
+            if not isinstance(r, torch.Tensor) or r.dim() != 3 or r.shape[0] != n or r.is_floating_point():
+                shape = tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__
+                raise ContractError(
+                    f"{where}.routed_experts must be an int tensor shaped (tokens={n}, moe_layers, top_k), got {shape}")
+
+
+@dataclass
+class Trajectory:
+    """One rollout: its segments (a new one is sealed whenever the agent rewrote history) and its
+    outcome. ``prompt_index`` ties it to the data ledger; ``group_id`` to its prompt group."""
+
+    segments: list[Sample]
+    reward: float
+    score: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    group_id: int = 0
+    rollout_id: str = ""
+    prompt_index: int = -1
+    finish_reason: str = "stop"  # "stop", "length" (a token budget ran out), "abort"
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+    def validate(self) -> None:
+        if not self.segments:
+            raise ContractError(f"trajectory {self.rollout_id!r} has no segments")
+        for k, seg in enumerate(self.segments):
+            seg.validate(where=f"trajectory {self.rollout_id!r} segment {k}")
+        if not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
+            raise ContractError(f"trajectory {self.rollout_id!r} reward must be a finite number, got {self.reward!r}")
+
+    def to_json(self) -> str:
+        return json.dumps(_encode(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, line: str) -> Trajectory:
+        d = json.loads(line)
+        d["segments"] = [Sample(**{k: _decode(v) for k, v in s.items()}) for s in d["segments"]]
+        return cls(**d)
+
+
+@dataclass
+class Result:
+    """What an agent's ``step`` or ``run`` returns. Numbers may be Python numbers or 0-d tensors."""
+
+    reward: float = 0.0
+    observation: str = ""
+    terminated: bool = True
+    truncated: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+    score: float | None = None
+    sampling_params: SamplingParams | None = None
+    images: list[Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.reward = to_float(self.reward, "Result.reward")
+        self.score = None if self.score is None else to_float(self.score, "Result.score")
+        self.info = {k: to_float(v, f"Result.info[{k!r}]") if isinstance(v, torch.Tensor) else v
+                     for k, v in self.info.items()}
+
+
+def to_float(x: Any, name: str) -> float:
+    """A Python number or 0-d tensor as a float; anything else is a clear error."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise ContractError(f"{name} must be a number or a 0-d tensor, got a tensor of shape {tuple(x.shape)}")
+        return float(x.item())
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise ContractError(f"{name} must be a number or a 0-d tensor, got {type(x).__name__}: {x!r}")
+    return float(x)
+
+
+def write_jsonl(path: str, trajectories: list[Trajectory]) -> None:
+    with open(path, "a") as f:
+        for t in trajectories:
+            f.write(t.to_json() + "\n")
+
+
+def read_jsonl(path: str) -> list[Trajectory]:
+    with open(path) as f:
+        return [Trajectory.from_json(line) for line in f if line.strip()]
+
+
+# JSON cannot hold tensors: store them as {"__tensor__": dtype, "shape": ..., "data": flat list}.
+# float32 -> Python float -> float32 is exact, so the round trip is bit-exact.
+def _encode(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        t = x.detach().cpu()
+        return {"__tensor__": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                "data": t.reshape(-1).tolist()}
+    if hasattr(x, "__dataclass_fields__"):
+        return {f.name: _encode(getattr(x, f.name)) for f in fields(x)}
+    if isinstance(x, dict):
+        return {k: _encode(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_encode(v) for v in x]
+    return x
+
+
+def _decode(x: Any) -> Any:
+    if isinstance(x, dict) and "__tensor__" in x:
+        return torch.tensor(x["data"], dtype=getattr(torch, x["__tensor__"])).reshape(x["shape"])
+    if isinstance(x, dict):
+        return {k: _decode(v) for k, v in x.items()}
+    return x
+
+
+def _plain(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
