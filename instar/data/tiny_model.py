@@ -1,0 +1,149 @@
+"""The tiny-model kit: a random-init Qwen3 (or Qwen3-MoE) causal LM and a byte-level BPE tokenizer
+with a ChatML tool-calling template, built fully offline and byte-identically from the same spec.
+
+Tests, examples and the CPU quick start all run on these models; vLLM's CPU build loads them too
+(hence head_dim >= 32).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                  "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+# HF renders templates with trim_blocks, which eats a newline right after a tag: those are written
+# as {{ '\\n' }}. ChatML in the Qwen convention: tools listed in the system turn, calls as JSON inside
+# <tool_call> tags in the assistant turn, consecutive tool results grouped into one user turn.
+CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\nYou may call functions. Their signatures are within <tools></tools>:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "To call one, reply with a JSON object within <tool_call></tool_call> tags:\n"
+    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'system' and loop.first %}"
+    "{% elif message.role in ('user', 'system') %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content or '' }}"
+    "{% for tc in message.tool_calls or [] %}{% set f = tc.function if tc.function is defined else tc %}"
+    "{% if message.content or not loop.first %}{{ '\\n' }}{% endif %}"
+    "<tool_call>\n{\"name\": \"{{ f.name }}\", \"arguments\": "
+    "{{ f.arguments if f.arguments is string else f.arguments | tojson }}}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass
+class TinySpec:
+    """Shape of a tiny model. head_dim >= 32 keeps it loadable by vLLM's CPU attention."""
+
+    seed: int = 0
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 2
+    kv_heads: int = 1
+    head_dim: int = 32
+    intermediate: int = 128
+    vocab_size: int = 512
+    moe: bool = False
+    experts: int = 4
+    top_k: int = 2
+    split_digits: bool = True
+
+    def check(self) -> None:
+        if self.head_dim < 32:
+            raise ValueError(f"--head-dim must be >= 32 (vLLM's CPU attention rejects smaller), got {self.head_dim}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"--heads ({self.heads}) must be a multiple of --kv-heads ({self.kv_heads})")
+        if self.vocab_size < 256 + len(SPECIAL_TOKENS) + 16:
+            raise ValueError(f"--vocab-size must be >= {256 + len(SPECIAL_TOKENS) + 16} (bytes, specials, some merges)")
+        if self.moe and not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"--top-k must be in [1, --experts={self.experts}], got {self.top_k}")
+
+
+def build_tiny_model(out_dir: str | Path, spec: TinySpec | None = None) -> Path:
+    """Write model weights, config, tokenizer and chat template into ``out_dir``; returns the path."""
+    spec = spec or TinySpec()
+    spec.check()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(spec)
+    tokenizer.save_pretrained(out)
+    model = build_model(spec, tokenizer)
+    model.save_pretrained(out)
+    (out / "instar_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=1, sort_keys=True) + "\n")
+    return out
+
+
+def build_model(spec: TinySpec, tokenizer) -> torch.nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")}
+    common = dict(vocab_size=len(tokenizer), hidden_size=spec.hidden, num_hidden_layers=spec.layers,
+                  num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim,
+                  max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=ids["<|endoftext|>"],
+                  eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], dtype="float32")
+    torch.manual_seed(spec.seed)
+    if spec.moe:
+        config = Qwen3MoeConfig(intermediate_size=spec.intermediate, moe_intermediate_size=spec.intermediate,
+                                num_experts=spec.experts, num_experts_per_tok=spec.top_k, decoder_sparse_step=1,
+                                norm_topk_prob=True, **common)
+        model = Qwen3MoeForCausalLM(config)
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(intermediate_size=spec.intermediate, **common))
+    # Sampling defaults must come from instar's SamplingParams, never from the checkpoint.
+    model.generation_config.do_sample = False
+    return model.eval()
+
+
+def build_tokenizer(spec: TinySpec):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    # One token per digit (as Qwen does) lets a tiny model learn arithmetic digit by digit.
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if spec.split_digits else byte_level)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None, chat_template=CHAT_TEMPLATE,
+                                   model_max_length=4096, clean_up_tokenization_spaces=False)
+
+
+_WORDS = ("the answer is what number result compute calculate tool call function name arguments expression "
+          "user assistant system please help solve problem question think step first then final value sum "
+          "product of and plus times minus equals check use calculator return json a an to is in for with "
+          "you can this that it be are was not on as by at from hello thanks sure here correct wrong good").split()
+
+
+def corpus() -> list[str]:
+    """A small deterministic training text: words, arithmetic, tool-call JSON, chat markup."""
+    rng = random.Random(1234)
+    lines = []
+    for _ in range(400):
+        lines.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 12))).capitalize() + ".")
+        a, b, c = rng.randint(10, 999), rng.randint(10, 99), rng.randint(1, 999)
+        lines.append(f"What is {a}*{b}+{c}? The answer is {a * b + c}.")
+        call = {"name": "calculator", "arguments": {"expression": f"{a}*{b}+{c}"}}
+        lines.append(f"<tool_call>\n{json.dumps(call)}\n</tool_call>")
+        lines.append(f"<tool_response>\n{a * b + c}\n</tool_response>")
+        lines.append("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\nSure, here is the result.<|im_end|>")
+    return lines
