@@ -323,7 +323,8 @@ def check(cfg: RLConfig) -> None:
     adv, actor = cfg.algo.advantage, cfg.actor
     low, high = adv.is_correction_threshold
     if not 0 <= low < 1 < high:
-        raise ConfigError(f"--algo.advantage.is_correction_threshold must satisfy 0 <= low < 1 < high, got {low} {high}")
+        raise ConfigError("--algo.advantage.is_correction_threshold must satisfy 0 <= low < 1 < high, "
+                          f"got {low} {high}")
     if adv.is_correction_level in ("seq", "geo") and adv.is_correction_mode != "mask":
         raise ConfigError(f"--algo.advantage.is_correction_level {adv.is_correction_level} is a sequence gate and "
                           f"needs --algo.advantage.is_correction_mode mask (got {adv.is_correction_mode})")
@@ -332,12 +333,13 @@ def check(cfg: RLConfig) -> None:
                           f"set --rollout.n_samples_per_prompt >= 2 (got {cfg.rollout.n_samples_per_prompt})")
     async_run = not cfg.train.force_sync_mode and (cfg.train.async_queue_size > 0 or cfg.train.partial_rollout_enable)
     if async_run and adv.is_correction_level == "off":
-        raise ConfigError("async or partial rollout trains on off-policy tokens; set --algo.advantage.is_correction_level "
-                          "token (or seq/geo), or use --train.force_sync_mode")
+        raise ConfigError("async or partial rollout trains on off-policy tokens; set "
+                          "--algo.advantage.is_correction_level token (or seq/geo), or use --train.force_sync_mode")
     if cfg.train.force_sync_mode and cfg.train.partial_rollout_enable:
         raise ConfigError("--train.partial_rollout_enable contradicts --train.force_sync_mode; drop one of them")
     if adv.estimator == "on_policy_distill" and cfg.algo.kl.coef > 0:
-        raise ConfigError("--algo.advantage.estimator on_policy_distill uses the reference as teacher; set --algo.kl.coef 0")
+        raise ConfigError("--algo.advantage.estimator on_policy_distill uses the reference as teacher; "
+                          "set --algo.kl.coef 0")
     if cfg.algo.dynamic_filter is not None and not cfg.algo.dynamic_filter[0] < cfg.algo.dynamic_filter[1]:
         raise ConfigError(f"--algo.dynamic_filter needs low < high, got {cfg.algo.dynamic_filter}")
     if actor.dual_clip is not None and actor.dual_clip <= 1:

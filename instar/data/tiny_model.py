@@ -52,17 +52,29 @@ class TinySpec:
     """Shape of a tiny model. head_dim >= 32 keeps it loadable by vLLM's CPU attention."""
 
     seed: int = 0
+    """Seed of the random weight init (same spec and seed: byte-identical files)."""
     layers: int = 2
+    """Decoder layers."""
     hidden: int = 64
+    """Hidden size."""
     heads: int = 2
+    """Attention heads."""
     kv_heads: int = 1
+    """Key/value heads (grouped-query attention)."""
     head_dim: int = 32
+    """Per-head dimension (>= 32 for vLLM's CPU attention)."""
     intermediate: int = 128
+    """MLP width (per expert with --moe)."""
     vocab_size: int = 512
+    """BPE vocabulary size, special tokens included."""
     moe: bool = False
+    """Build a Qwen3-MoE model (every layer sparse)."""
     experts: int = 4
+    """Experts per MoE layer."""
     top_k: int = 2
+    """Experts routed per token."""
     split_digits: bool = True
+    """Tokenize every digit as its own token (as Qwen does)."""
 
     def check(self) -> None:
         if self.head_dim < 32:
@@ -77,8 +89,11 @@ class TinySpec:
 
 def build_tiny_model(out_dir: str | Path, spec: TinySpec | None = None) -> Path:
     """Write model weights, config, tokenizer and chat template into ``out_dir``; returns the path."""
+    from transformers.utils import logging as hf_logging
+
     spec = spec or TinySpec()
     spec.check()
+    hf_logging.disable_progress_bar()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec)

@@ -1,0 +1,3 @@
+from instar.cli.main import main
+
+main()

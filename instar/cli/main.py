@@ -1,0 +1,131 @@
+"""`instar` command line: one subcommand per job, every flag generated from a config dataclass.
+
+jsonargparse turns the nested dataclasses of instar/config.py into dotted flags and YAML recipes
+(`--config recipe.yaml`, later flags override it), with type checks and `--help` from field docs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from collections.abc import Callable
+
+from jsonargparse import ArgumentParser, Namespace, set_parsing_settings
+
+from instar.config import ConfigError, RLConfig, SFTConfig, check
+from instar.data.tiny_model import TinySpec, build_tiny_model
+
+set_parsing_settings(docstring_parse_attribute_docstrings=True)
+
+
+@dataclasses.dataclass
+class TinyModelArgs(TinySpec):
+    """`instar tiny-model`: build a random-init tiny model and tokenizer, offline."""
+
+    out: str = ""
+    """Output directory (an HF checkpoint: config, weights, tokenizer, chat template)."""
+
+
+def _run_rl(cfg: RLConfig) -> None:
+    check(cfg)
+    from instar.loop import run  # the loop pulls in Ray and torch.distributed; only load it to run
+
+    run(cfg)
+
+
+def _run_sft(cfg: SFTConfig) -> None:
+    from instar.train.sft import run_sft
+
+    run_sft(cfg)
+
+
+def _run_tiny_model(args: TinyModelArgs) -> None:
+    if not args.out:
+        raise ConfigError("--out DIR is required: the directory to write the model into")
+    spec = TinySpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TinySpec)})
+    try:
+        path = build_tiny_model(args.out, spec)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    print(f"wrote tiny model to {path}")
+
+
+COMMANDS: dict[str, tuple[type, Callable]] = {
+    "rl": (RLConfig, _run_rl),
+    "sft": (SFTConfig, _run_sft),
+    "tiny-model": (TinyModelArgs, _run_tiny_model),
+}
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="instar", description="instar: agentic reinforcement learning for language models")
+    sub = parser.add_subcommands(dest="command")
+    for name, (cls, _) in COMMANDS.items():
+        p = ArgumentParser(prog=f"instar {name}", description=(cls.__doc__ or "").strip())
+        p.add_argument("--config", action="config", help="YAML recipe; flags given after it override it")
+        p.add_class_arguments(cls, nested_key=None, as_group=False)
+        sub.add_subcommand(name, p, help=(cls.__doc__ or "").strip().split("\n")[0])
+    return parser
+
+
+def parse(argv: list[str]) -> tuple[str, object]:
+    """Parse a command line into (command, config dataclass); raises SystemExit with a message on bad input."""
+    parser = build_parser()
+    argv = _normalise(argv)
+    ns = parser.parse_args(argv)
+    name = ns.command
+    cls = COMMANDS[name][0]
+    return name, _to_dataclass(cls, parser.instantiate(ns)[name])
+
+
+def main(argv: list[str] | None = None) -> None:
+    name, cfg = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        COMMANDS[name][1](cfg)
+    except ConfigError as e:
+        sys.exit(f"instar {name}: {e}")
+
+
+def _to_dataclass(cls: type, ns: Namespace | object) -> object:
+    if not isinstance(ns, Namespace):
+        return ns
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        value = ns.get(f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            value = _to_dataclass(hints[f.name], value) if value is not None else hints[f.name]()
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _normalise(argv: list[str]) -> list[str]:
+    """Accept `--kv-heads` for `--kv_heads`, and a bare boolean flag (`--moe`) for `--moe true`."""
+    flags = _bool_flags()
+    out = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--"):
+            name, eq, value = arg[2:].partition("=")
+            arg = "--" + name.replace("-", "_") + eq + value
+            bare = not eq and (i + 1 == len(argv) or argv[i + 1].startswith("--"))
+            if bare and name.replace("-", "_").split(".")[-1] in flags:
+                out += [arg, "true"]
+                continue
+        out.append(arg)
+    return out
+
+
+def _bool_flags() -> set[str]:
+    names: set[str] = set()
+
+    def walk(cls: type) -> None:
+        for f, hint in typing.get_type_hints(cls).items():
+            if hint is bool:
+                names.add(f)
+            elif dataclasses.is_dataclass(hint):
+                walk(hint)
+
+    for cls, _ in COMMANDS.values():
+        walk(cls)
+    return names
