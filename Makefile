@@ -1,0 +1,22 @@
+# The two commands of the quick start. Both set up .venv themselves (scripts/setup.sh).
+export OMP_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup demo test test-fast lint
+
+setup:
+	@bash scripts/setup.sh
+
+# The main job: build a tiny model offline (the RL demo lands here with the loop).
+demo: setup
+	.venv/bin/instar tiny-model --out runs/demo/tiny-model
+
+# Every test, the slow end-to-end ones included; lint first.
+test: setup lint
+	.venv/bin/python -m pytest -q -p no:cacheprovider
+
+test-fast: setup
+	.venv/bin/python -m pytest -q -m "not slow"
+
+lint: setup
+	.venv/bin/ruff check .
