@@ -1,0 +1,113 @@
+"""Prompt datasets and the data ledger: which prompt indices were handed out, and which trained.
+
+A run must never lose a prompt nor train one twice, even across `kill -9` and resume. The stream
+therefore hands out prompts in a seeded per-epoch order and skips, after a resume, every index the
+restored ledger already trained or that waits among the restored (generated, untrained) rollouts.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from instar.config import DataConfig
+
+
+@dataclass
+class Prompt:
+    """One dataset record, normalised: chat messages, label, optional tool schemas."""
+
+    index: int
+    messages: list[dict[str, Any]]
+    label: Any = None
+    tools: list[dict[str, Any]] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def load_prompts(path: str, cfg: DataConfig) -> list[Prompt]:
+    """Read a JSONL prompt file. A string prompt becomes a user message (plus the system prompt)."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"prompt dataset {path!r} not found; set --data.prompt_dataset to a JSONL file")
+    prompts = []
+    with file.open() as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
+            if cfg.input_key not in record:
+                raise KeyError(f"{path}:{line_no}: no {cfg.input_key!r} key (keys: {sorted(record)}); "
+                               f"set --data.input_key")
+            prompts.append(_to_prompt(len(prompts), record, cfg))
+    if not prompts:
+        raise ValueError(f"prompt dataset {path!r} is empty")
+    return prompts
+
+
+def _to_prompt(index: int, record: dict[str, Any], cfg: DataConfig) -> Prompt:
+    value = record[cfg.input_key]
+    if isinstance(value, str):
+        messages = [{"role": "user", "content": value}]
+    elif isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
+        messages = list(value)
+    else:
+        raise ValueError(f"prompt {index}: {cfg.input_key!r} must be a string or a list of chat messages, "
+                         f"got {type(value).__name__}")
+    if cfg.system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+    rest = {k: v for k, v in record.items() if k not in (cfg.input_key, cfg.label_key, cfg.tools_key)}
+    return Prompt(index, messages, record.get(cfg.label_key), record.get(cfg.tools_key), rest)
+
+
+class PromptStream:
+    """Endless seeded epochs over a dataset, with the ledger of trained (epoch, index) pairs."""
+
+    def __init__(self, prompts: list[Prompt], seed: int = 0, shuffle: bool = True):
+        self.prompts, self.seed, self.shuffle = prompts, seed, shuffle
+        self.epoch, self.cursor = 0, 0
+        self.trained: set[tuple[int, int]] = set()
+        self.skip: set[tuple[int, int]] = set()  # handed out before a resume and still pending
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next(self) -> tuple[int, Prompt]:
+        """The next prompt to roll out, with its epoch."""
+        while True:
+            if self.cursor == len(self.prompts):
+                self.epoch, self.cursor = self.epoch + 1, 0
+            index = self._order(self.epoch)[self.cursor]
+            self.cursor += 1
+            key = (self.epoch, index)
+            if key not in self.trained and key not in self.skip:
+                return self.epoch, self.prompts[index]
+
+    def mark_trained(self, epoch: int, index: int) -> None:
+        key = (epoch, index)
+        if key in self.trained:
+            raise RuntimeError(f"prompt {index} of epoch {epoch} was already trained; the data ledger is corrupt")
+        self.trained.add(key)
+
+    def state_dict(self) -> dict[str, Any]:
+        # Resume from the oldest epoch with an untrained prompt: one handed out at the end of the
+        # previous epoch may still have been in flight.
+        counts = Counter(epoch for epoch, _ in self.trained)
+        first = next((e for e in range(self.epoch + 1) if counts[e] < len(self.prompts)), self.epoch)
+        return {"epoch": first, "trained": sorted(k for k in self.trained if k[0] >= first)}
+
+    def load_state_dict(self, state: dict[str, Any], pending: list[tuple[int, int]] = ()) -> None:
+        """Restart the recorded epoch from its beginning, skipping what was trained or is pending:
+        whatever was in flight when the run died is simply handed out again."""
+        self.epoch, self.cursor = state["epoch"], 0
+        self.trained = {tuple(k) for k in state["trained"]}
+        self.skip = set(pending)

@@ -1,0 +1,62 @@
+"""Prompt loading and the data ledger: after a resume nothing is lost and nothing trained twice."""
+
+import json
+
+import pytest
+
+from instar.config import DataConfig
+from instar.data.prompts import PromptStream, load_prompts
+
+
+def write(tmp_path, records):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_load_normalises_prompts(tmp_path):
+    path = write(tmp_path, [{"prompt": "1+1?", "label": "2", "level": 3},
+                            {"prompt": [{"role": "user", "content": "hi"}], "label": None, "tools": [{"name": "t"}]}])
+    a, b = load_prompts(path, DataConfig(system_prompt="Be brief."))
+    assert a.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}]
+    assert (a.index, a.label, a.tools, a.metadata) == (0, "2", None, {"level": 3})
+    assert (b.index, b.tools, b.messages[-1]) == (1, [{"name": "t"}], {"role": "user", "content": "hi"})
+
+
+def test_load_errors_are_actionable(tmp_path):
+    with pytest.raises(FileNotFoundError, match="set --data.prompt_dataset"):
+        load_prompts(str(tmp_path / "missing.jsonl"), DataConfig())
+    with pytest.raises(KeyError, match=r"p.jsonl:1: no 'prompt' key \(keys: \['question'\]\); set --data.input_key"):
+        load_prompts(write(tmp_path, [{"question": "x"}]), DataConfig())
+    with pytest.raises(ValueError, match="must be a string or a list of chat messages, got int"):
+        load_prompts(write(tmp_path, [{"prompt": 7}]), DataConfig())
+
+
+def test_stream_epochs_are_seeded_permutations(tmp_path):
+    prompts = load_prompts(write(tmp_path, [{"prompt": str(i)} for i in range(5)]), DataConfig())
+    s = PromptStream(prompts, seed=1)
+    first = [s.next() for _ in range(10)]
+    assert sorted(p.index for e, p in first if e == 0) == [0, 1, 2, 3, 4]
+    assert sorted(p.index for e, p in first if e == 1) == [0, 1, 2, 3, 4]
+    again = PromptStream(prompts, seed=1)
+    assert [(e, p.index) for e, p in first] == [(e, p.index) for e, p in (again.next() for _ in range(10))]
+    assert [p.index for _, p in first[:5]] != list(range(5)) or [p.index for _, p in first[5:]] != list(range(5))
+
+
+def test_resume_hands_out_exactly_the_untrained(tmp_path):
+    prompts = load_prompts(write(tmp_path, [{"prompt": str(i)} for i in range(6)]), DataConfig())
+    s = PromptStream(prompts, seed=0)
+    handed = [s.next() for _ in range(8)]  # all of epoch 0 and two of epoch 1
+    trained, pending = handed[:3], handed[3:5]  # the rest were in flight when the run died
+    for e, p in trained:
+        s.mark_trained(e, p.index)
+    state = s.state_dict()
+    assert state["epoch"] == 0
+
+    resumed = PromptStream(prompts, seed=0)
+    resumed.load_state_dict(state, pending=[(e, p.index) for e, p in pending])
+    redo = [resumed.next() for _ in range(len(handed) - 5)]
+    assert sorted((e, p.index) for e, p in redo) == sorted((e, p.index) for e, p in handed[5:])
+    for e, p in trained:
+        with pytest.raises(RuntimeError, match="already trained"):
+            resumed.mark_trained(e, p.index)
