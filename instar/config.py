@@ -22,7 +22,7 @@ class ActorConfig:
     eps_clip_low_high: tuple[float, float] = (0.2, 0.28)
     """Clip band of the policy ratio: [1 - low, 1 + high] (asymmetric, DAPO style)."""
     dual_clip: float | None = None
-    """Dual-clip constant c > 1 for negative advantages (PPO dual clip); None disables it."""
+    """Dual-clip constant c > 1: caps the loss of a negative-advantage token at -c A (ppo, gspo); None disables it."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus in the policy loss."""
     learning_rate: float = 1e-6
@@ -41,6 +41,10 @@ class ActorConfig:
     """Keep MoE router (gate) weights fixed during training."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype of the trainer (use float32 on CPU)."""
+    model_backend: Literal["hf", "automodel"] = "hf"
+    """Model loader: hf (transformers) or automodel (NVIDIA NeMo AutoModel, GPU, when installed)."""
+    ref_model_name_or_path: str | None = None
+    """Frozen reference (KL) or teacher (on_policy_distill) checkpoint; None reuses --actor.model_name_or_path."""
     seed: int = 42
     """Seed of the trainer's RNGs."""
 
@@ -63,7 +67,8 @@ class AdvantageConfig:
 
     estimator: Literal["reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae",
                        "on_policy_distill"] = "grpo"
-    """Advantage estimator (a registry in instar/algo)."""
+    """Advantage estimator (registry in instar/algo/advantages.py): reinforce (REINFORCE++), reinforce_baseline,
+    rloo, grpo, dr_grpo (group baselines), gae (critic), on_policy_distill (reverse KL to the reference as teacher)."""
     gamma: float = 1.0
     """Discount factor (reinforce, gae)."""
     lam: float = 0.95
@@ -85,7 +90,7 @@ class KLConfig:
     estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator per token (Schulman's k1, k2, k3)."""
     use_in: Literal["reward", "loss"] = "loss"
-    """Apply the KL in the reward (REINFORCE++ style) or as a loss term."""
+    """Apply the KL as a per-token reward penalty (REINFORCE++ style; reinforce and gae only) or as a loss term."""
     target: float | None = None
     """Adaptive controller target KL; None keeps the coefficient fixed."""
     horizon: int = 10000
@@ -169,6 +174,10 @@ class EngineConfig:
     or of the distribution actually sampled from (after temperature / top-k / top-p / min-p)."""
     max_num_seqs: int = 64
     """Most requests decoded together in one engine step."""
+    max_num_batched_tokens: int = 8192
+    """Most (padded) prompt tokens prefilled in one forward; a longer single prompt still runs alone."""
+    prefix_cache_max_tokens: int = 262144
+    """Embedded engine: tokens of finished sessions' KV cache kept for their next turn (LRU)."""
     speculative_config: dict | None = None
     """vLLM speculative decoding settings, passed through unchanged."""
 
@@ -344,6 +353,29 @@ def check(cfg: RLConfig) -> None:
         raise ConfigError(f"--algo.dynamic_filter needs low < high, got {cfg.algo.dynamic_filter}")
     if actor.dual_clip is not None and actor.dual_clip <= 1:
         raise ConfigError(f"--actor.dual_clip must be > 1, got {actor.dual_clip}")
+    _check_algo(cfg)
     if cfg.rollout.vllm_generate_batch_size < cfg.rollout.batch_size:
         raise ConfigError(f"--rollout.vllm_generate_batch_size ({cfg.rollout.vllm_generate_batch_size}) must be >= "
                           f"--rollout.batch_size ({cfg.rollout.batch_size}) or a step can never fill")
+
+
+def _check_algo(cfg: RLConfig) -> None:
+    """The algorithm's own combinations (instar/algo)."""
+    adv, kl, actor = cfg.algo.advantage, cfg.algo.kl, cfg.actor
+    low, high = actor.eps_clip_low_high
+    if not (0 <= low < 1 and high >= 0):
+        raise ConfigError(f"--actor.eps_clip_low_high must satisfy 0 <= low < 1 and high >= 0, got {low} {high}")
+    if actor.dual_clip is not None and actor.loss_mode == "cispo":
+        raise ConfigError("--actor.dual_clip caps the PPO/GSPO surrogate; cispo has none: unset --actor.dual_clip")
+    if not (0 < adv.gamma <= 1 and 0 <= adv.lam <= 1):
+        raise ConfigError(f"--algo.advantage.gamma must be in (0, 1] and --algo.advantage.lam in [0, 1], "
+                          f"got {adv.gamma} {adv.lam}")
+    if kl.use_in == "reward" and kl.coef > 0 and adv.estimator not in ("reinforce", "gae"):
+        raise ConfigError(f"--algo.kl.use_in reward only shapes token rewards of reinforce / gae; set --algo.kl.use_in "
+                          f"loss for --algo.advantage.estimator {adv.estimator}")
+    if kl.coef < 0 or (kl.target is not None and kl.target <= 0) or kl.horizon < 1:
+        raise ConfigError(f"--algo.kl.coef must be >= 0, --algo.kl.target > 0 (or unset), --algo.kl.horizon >= 1; "
+                          f"got {kl.coef} {kl.target} {kl.horizon}")
+    if kl.target is not None and kl.coef == 0:
+        raise ConfigError("--algo.kl.target adapts the coefficient multiplicatively from --algo.kl.coef, which is 0; "
+                          "set --algo.kl.coef > 0 (the starting value)")
