@@ -1,0 +1,174 @@
+"""The agent API a researcher writes against, and how an agent module is loaded.
+
+Two forms, same names as Molt's so a Molt agent module runs after changing its import line:
+
+* ``Env`` (Gymnasium style): the framework owns the LLM loop. Each turn it samples an action, calls
+  ``step(state)``, and renders the returned observation as the next user turn (a tool turn when
+  the action called a tool). ``AgentRunner = StepEnvRunner(MyEnv)``.
+* ``ChatAgent``: the agent owns the loop and talks to the policy through the stock OpenAI or
+  Anthropic SDK pointed at ``ctx.base_url`` / ``ctx.session_url``. ``AgentRunner = ChatAgentRunner(MyAgent)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from instar.contract import Result, SamplingParams
+from instar.data.chat import Message
+
+
+@dataclass
+class Task:
+    """One rollout to run: a dataset prompt (a string or chat messages) and where it belongs."""
+
+    prompt: str | list[Message]
+    label: Any = None
+    tools: list[dict] | None = None
+    images: list[Any] | None = None
+    prompt_index: int = -1
+    group_id: int = 0
+    rollout_id: str = ""
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+
+
+class Env:
+    """A step environment. ``state`` is a dict with ``observation_text`` (the latest observation: the
+    prompt, then each step's observation), ``action_text`` (the model's latest turn as sampled),
+    ``label``, ``sampling_params``, ``messages`` (the chat so far), ``turn`` (0-based), and, for
+    LLM-as-judge rewards, ``untraced_base_url`` / ``untraced_session_url`` / ``api_key`` / ``model_name``."""
+
+    tools: list[dict] | None = None
+    """Tool schemas for the chat template, used when the prompt record has none."""
+
+    async def reset(self, state: dict) -> dict:
+        """Called once before the first turn; may return ``{"observation": text}`` to replace the prompt."""
+        return {}
+
+    async def step(self, state: dict) -> Result:
+        """Score ``state["action_text"]``; a non-terminated result's observation is the next turn."""
+        raise NotImplementedError(f"{type(self).__name__} must define `async def step(self, state) -> Result`")
+
+
+@dataclass
+class ChatContext:
+    """What a ChatAgent gets for one rollout. Calls through ``base_url`` / ``session_url`` are recorded
+    token-exactly; calls through the ``untraced_*`` URLs use the same engines and are never trained on."""
+
+    messages: list[Message]
+    prompt: str
+    label: Any
+    tools: list[dict] | None
+    images: list[Any] | None
+    base_url: str
+    session_url: str
+    api_key: str
+    model_name: str
+    session_id: str
+    sampling_params: SamplingParams
+    max_length: int
+    untraced_base_url: str = ""
+    untraced_session_url: str = ""
+
+
+class ChatAgent:
+    """An agent that runs its own loop against the OpenAI / Anthropic endpoints in ``ctx``."""
+
+    async def run(self, ctx: ChatContext) -> Result:
+        raise NotImplementedError(f"{type(self).__name__} must define `async def run(self, ctx) -> Result`")
+
+
+def _last_user_text(messages: list[Message]) -> str:
+    return next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+
+
+class StepEnvRunner:
+    """Runs an ``Env`` subclass: one new instance per rollout, the LLM loop driven by the framework."""
+
+    def __init__(self, env_class: type[Env]) -> None:
+        if not (isinstance(env_class, type) and issubclass(env_class, Env)):
+            raise TypeError(f"StepEnvRunner takes an Env subclass (the class, not an instance), got {env_class!r}")
+        self.env_class = env_class
+
+    async def rollout(self, task: Task, messages: list[Message], session: Any) -> Result:
+        env, transcript = self.env_class(), session.transcript
+        tools = task.tools or self.env_class.tools
+        state = {"observation_text": _last_user_text(messages), "action_text": "", "label": task.label,
+                 "sampling_params": task.sampling_params, "messages": messages, "turn": 0, "api_key": session.api_key,
+                 "untraced_base_url": session.untraced_base_url, "model_name": session.model_name,
+                 "untraced_session_url": session.untraced_session_url}
+        observation = (await env.reset(state) or {}).get("observation")
+        if observation is not None:
+            messages = [*messages[:-1], {**messages[-1], "content": observation}]
+            state.update(observation_text=observation, messages=messages)
+        reward, score, infos = 0.0, None, []
+        while True:
+            turn = await transcript.sample(messages, tools, state["sampling_params"])
+            if not turn.token_ids:
+                break  # the observation did not fit in --data.max_len: truncated before sampling
+            # A copy: an env that edits state["messages"] must not rewrite the transcript's history.
+            state.update(action_text=turn.text, messages=copy.deepcopy(transcript.messages), turn=len(infos))
+            result = await env.step(state)
+            reward, infos = reward + result.reward, [*infos, result.info]
+            score = result.score if result.score is not None else score
+            if result.terminated or result.truncated or transcript.truncated:
+                break
+            role = "tool" if turn.message.get("tool_calls") else "user"
+            messages = [*transcript.messages, {"role": role, "content": result.observation}]
+            state.update(observation_text=result.observation,
+                         sampling_params=result.sampling_params or state["sampling_params"])
+        return Result(reward=reward, score=score, info={"turns": infos})
+
+
+class ChatAgentRunner:
+    """Runs a ``ChatAgent`` subclass: one new instance per rollout, given a ``ChatContext``."""
+
+    def __init__(self, agent_class: type[ChatAgent]) -> None:
+        if not (isinstance(agent_class, type) and issubclass(agent_class, ChatAgent)):
+            raise TypeError(f"ChatAgentRunner takes a ChatAgent subclass (the class, not an instance), "
+                            f"got {agent_class!r}")
+        self.agent_class = agent_class
+
+    async def rollout(self, task: Task, messages: list[Message], session: Any) -> Result:
+        ctx = ChatContext(messages=messages, prompt=_last_user_text(messages), label=task.label, tools=task.tools,
+                          images=task.images, base_url=session.base_url, session_url=session.session_url,
+                          api_key=session.api_key, model_name=session.model_name, session_id=session.id,
+                          sampling_params=task.sampling_params, max_length=session.transcript.max_len,
+                          untraced_base_url=session.untraced_base_url,
+                          untraced_session_url=session.untraced_session_url)
+        result = await self.agent_class().run(ctx)
+        if not isinstance(result, Result):
+            raise TypeError(f"{self.agent_class.__name__}.run must return instar.agents.Result, "
+                            f"got {type(result).__name__}")
+        return result
+
+
+class AgentLoadError(ValueError):
+    """--train.agent_path does not name a usable agent module; the message says what to fix."""
+
+
+def load_agent(path: str) -> StepEnvRunner | ChatAgentRunner:
+    """Import the Python file at ``path`` and return its ``AgentRunner``."""
+    file = Path(path)
+    if not file.is_file():
+        raise AgentLoadError(f"--train.agent_path {path!r} is not a file; give the path of a Python file that "
+                             f"defines AgentRunner")
+    name = f"instar_agent_{file.stem}"
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise AgentLoadError(f"--train.agent_path {path!r} cannot be imported as a Python module (use a .py file)")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look their module up here
+    spec.loader.exec_module(module)
+    runner = getattr(module, "AgentRunner", None)
+    if runner is None:
+        raise AgentLoadError(f"{path} defines no AgentRunner; add `AgentRunner = StepEnvRunner(YourEnv)` or "
+                             f"`AgentRunner = ChatAgentRunner(YourChatAgent)`")
+    if not isinstance(runner, (StepEnvRunner, ChatAgentRunner)):
+        raise AgentLoadError(f"{path}: AgentRunner must be StepEnvRunner(YourEnv) or ChatAgentRunner(YourChatAgent), "
+                             f"got {runner!r} of type {type(runner).__name__}")
+    return runner

@@ -1,0 +1,83 @@
+"""Runs one agent module's rollouts inside an agent-runner process.
+
+The host owns the loopback chat server, opens one session per rollout, enforces
+``--train.agent_timeout`` and turns the session transcript plus the agent's ``Result`` into a
+``Trajectory``. A rollout whose user code raises or times out, or that sampled nothing, is dropped
+and counted by reason; it never stops the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from typing import Any
+
+from instar.agents.api import ChatAgentRunner, StepEnvRunner, Task
+from instar.agents.server import ChatServer
+from instar.contract import ContractError, Trajectory
+from instar.data.chat import prompt_messages
+from instar.engines.protocol import Engine
+
+log = logging.getLogger(__name__)
+
+
+class AgentHost:
+    """``async with AgentHost(runner, engine, tokenizer, ...) as host: traj = await host.rollout(task)``.
+
+    ``engine`` is anything with the engine protocol's ``generate`` (an engine or the router);
+    ``max_len`` / ``max_new_tokens`` are --data.max_len / --data.max_new_tokens."""
+
+    def __init__(self, runner: StepEnvRunner | ChatAgentRunner, engine: Engine, tokenizer: Any, *, max_len: int,
+                 max_new_tokens: int, agent_timeout: float, system_prompt: str | None = None,
+                 model_name: str = "policy") -> None:
+        self.runner, self.agent_timeout, self.system_prompt = runner, agent_timeout, system_prompt
+        self.server = ChatServer(engine, tokenizer, model_name=model_name, max_len=max_len,
+                                 max_new_tokens=max_new_tokens)
+        self.dropped: Counter[str] = Counter()
+        self.finished = 0
+
+    async def __aenter__(self) -> AgentHost:
+        await self.server.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.server.__aexit__(*exc)
+
+    async def rollout(self, task: Task) -> Trajectory | None:
+        """Run one rollout; None when it was dropped (see ``dropped``)."""
+        messages = prompt_messages(task.prompt, self.system_prompt)
+        session = self.server.open(task.sampling_params)
+        try:
+            result = await asyncio.wait_for(self.runner.rollout(task, messages, session), self.agent_timeout)
+        except TimeoutError:
+            return self._drop("timeout", task, f"exceeded --train.agent_timeout={self.agent_timeout}s")
+        except Exception as e:  # user code: log it, drop the rollout, keep the run going
+            log.warning("rollout %r dropped: %s raised", task.rollout_id, type(e).__name__, exc_info=True)
+            return self._drop(f"error_{type(e).__name__}", task, str(e))
+        finally:
+            self.server.close(session)
+            release = getattr(self.server.engine, "release", None)  # a Router forgets the session's placement
+            if release is not None:
+                release(session.id)
+                release(f"{session.id}/untraced")
+        transcript = session.transcript
+        finish = "length" if transcript.truncated else "abort" if transcript.last_finish_reason == "abort" else "stop"
+        traj = Trajectory(transcript.segments, reward=result.reward, score=result.score, info=result.info,
+                          group_id=task.group_id, rollout_id=task.rollout_id, prompt_index=task.prompt_index,
+                          finish_reason=finish)
+        try:
+            traj.validate()
+        except ContractError as e:
+            return self._drop("invalid", task, str(e))
+        self.finished += 1
+        return traj
+
+    def _drop(self, reason: str, task: Task, detail: str) -> None:
+        log.warning("rollout %r (prompt %d) dropped, %s: %s", task.rollout_id, task.prompt_index, reason, detail)
+        self.dropped[reason] += 1
+
+    def metrics(self) -> dict[str, float]:
+        """Counts since start: finished rollouts and dropped ones by reason (timeout, error_<Type>, invalid)."""
+        return {"agent/finished": float(self.finished),
+                **{f"agent/dropped_{reason}": float(n) for reason, n in sorted(self.dropped.items())}}

@@ -1,0 +1,234 @@
+"""The loopback chat server: OpenAI and Anthropic wire protocols over the session transcripts.
+
+One uvicorn server runs as an asyncio task in the agent-runner process, bound to 127.0.0.1 on a free
+port. Every rollout is a session with a random secret (the agent's ``api_key``). Traced routes
+``/s/{session}/v1/...`` record into the session's transcript; untraced routes ``/u/{session}/v1/...``
+use the same engine for judge and helper calls and record nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import socket
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+import instar.agents.wire as wire
+from instar.agents.transcript import Transcript, Turn
+from instar.contract import SamplingParams
+from instar.data.chat import token_pieces
+from instar.engines.protocol import Engine
+
+
+@dataclass
+class Session:
+    """One rollout's endpoint: its transcript, secret and the URLs the SDKs take."""
+
+    id: str
+    api_key: str
+    transcript: Transcript
+    sampling: SamplingParams
+    root: str
+    model_name: str
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def base_url(self) -> str:
+        """OpenAI SDK ``base_url``."""
+        return f"{self.root}/s/{self.id}/v1"
+
+    @property
+    def session_url(self) -> str:
+        """Anthropic SDK ``base_url`` (the SDK appends /v1/messages)."""
+        return f"{self.root}/s/{self.id}"
+
+    @property
+    def untraced_base_url(self) -> str:
+        return f"{self.root}/u/{self.id}/v1"
+
+    @property
+    def untraced_session_url(self) -> str:
+        return f"{self.root}/u/{self.id}"
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # signals belong to the host process (Ray actor, pytest), not to this embedded server
+
+
+class ChatServer:
+    """Serves every session of one agent-runner process. Use ``async with ChatServer(...)``."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, *, model_name: str, max_len: int, max_new_tokens: int) -> None:
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.max_len, self.max_new_tokens = max_len, max_new_tokens
+        self.sessions: dict[str, Session] = {}
+        self.root = ""
+        self.app = build_app(self)
+        self._server: _Server | None = None
+        self._task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> ChatServer:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.root = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+        self._server = _Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises the start-up error
+                raise RuntimeError(f"chat server on {self.root} stopped during start-up")
+            await asyncio.sleep(0.01)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await self._task
+
+    def transcript(self, session_id: str) -> Transcript:
+        return Transcript(self.engine, self.tokenizer, session_id=session_id, max_len=self.max_len,
+                          max_new_tokens=self.max_new_tokens)
+
+    def open(self, sampling: SamplingParams | None = None) -> Session:
+        """A new session with a fresh transcript and secret; ``close`` it when the rollout ends."""
+        sid = uuid.uuid4().hex
+        session = Session(sid, secrets.token_urlsafe(24), self.transcript(sid), sampling or SamplingParams(), self.root,
+                          self.model_name)
+        self.sessions[sid] = session
+        return session
+
+    def close(self, session: Session) -> None:
+        self.sessions.pop(session.id, None)
+
+
+def _authorize(server: ChatServer, request: Request, session_id: str) -> Session:
+    session = server.sessions.get(session_id)
+    if session is None:
+        raise wire.WireError(404, f"unknown session {session_id!r} (closed, or never opened by this agent runner)")
+    auth = request.headers.get("authorization", "")
+    key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else request.headers.get("x-api-key", "")
+    if not secrets.compare_digest(key.encode(), session.api_key.encode()):
+        raise wire.WireError(401, "wrong api key for this session: use ctx.api_key (Authorization: Bearer or "
+                                  "x-api-key)")
+    return session
+
+
+async def _body(request: Request, model: type[BaseModel]) -> Any:
+    """Parse after authorizing, so a caller with a wrong key learns nothing about the body rules."""
+    try:
+        data = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise wire.WireError(400, f"request body is not valid JSON: {e}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        detail = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
+        raise wire.WireError(422, f"invalid request body: {detail}") from None
+
+
+def _sampling(session: Session, temperature: float | None, top_p: float | None, max_tokens: int | None,
+              top_k: int | None = None, seed: int | None = None) -> SamplingParams:
+    """The session's sampling, overridden by what the request sets explicitly."""
+    asked = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, top_k=top_k, seed=seed)
+    return session.sampling.replace(**{k: v for k, v in asked.items() if v is not None})
+
+
+async def _turn(server: ChatServer, session: Session, traced: bool, messages: list, tools: list | None,
+                sampling: SamplingParams) -> Turn:
+    if messages[-1]["role"] == "assistant":
+        raise wire.WireError(400, "the last message is from the assistant; end with a user or tool message "
+                                  "(continuing a partial assistant turn is not supported)")
+    if not traced:  # a throwaway transcript: same engine and template, nothing recorded
+        return await server.transcript(f"{session.id}/untraced").sample(messages, tools, sampling)
+    async with session.lock:
+        return await session.transcript.sample(messages, tools, sampling)
+
+
+def _sse(events: Iterator[tuple[str | None, Any]]) -> StreamingResponse:
+    lines = "".join((f"event: {name}\n" if name else "") + f"data: {d if isinstance(d, str) else json.dumps(d)}\n\n"
+                    for name, d in events)
+    return StreamingResponse(iter([lines]), media_type="text/event-stream")
+
+
+def _error_response(path: str, status: int, message: str) -> JSONResponse:
+    if path.endswith("/messages"):
+        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                422: "invalid_request_error"}.get(status, "api_error")
+        return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(status, "invalid_request_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status)
+
+
+def build_app(server: ChatServer) -> FastAPI:
+    app = FastAPI(title="instar loopback chat server", openapi_url=None, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(wire.WireError)
+    async def on_wire_error(request: Request, e: wire.WireError) -> JSONResponse:
+        return _error_response(request.url.path, e.status, e.message)
+
+    def models() -> dict:
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
+                                            "owned_by": "instar"}]}
+
+    app.get("/v1/models")(models)
+    app.get("/s/{session_id}/v1/models")(models)
+    app.get("/u/{session_id}/v1/models")(models)
+
+    def chat_completions(traced: bool) -> Callable:
+        async def handler(session_id: str, request: Request) -> Any:
+            session = _authorize(server, request, session_id)
+            body = await _body(request, wire.OpenAIRequest)
+            if body.stop:
+                raise wire.WireError(400, "stop strings are not supported: a turn ends at the template's "
+                                          "end-of-turn token")
+            messages, tools = wire.openai_messages(body.messages), wire.openai_tools(body.tools)
+            sampling = _sampling(session, body.temperature, body.top_p, body.max_completion_tokens or body.max_tokens,
+                                 seed=body.seed)
+            turn = await _turn(server, session, traced, messages, tools, sampling)
+            rid = f"chatcmpl-{uuid.uuid4().hex}"
+            if not body.stream:
+                return wire.openai_response(turn, body.model, rid)
+            chunks = wire.openai_chunks(turn, body.model, rid, _pieces(server, turn))
+            return _sse(iter([*((None, c) for c in chunks), (None, "[DONE]")]))
+        return handler
+
+    def messages(traced: bool) -> Callable:
+        async def handler(session_id: str, request: Request) -> Any:
+            session = _authorize(server, request, session_id)
+            body = await _body(request, wire.AnthropicRequest)
+            if body.stop_sequences:
+                raise wire.WireError(400, "stop_sequences are not supported: a turn ends at the template's "
+                                          "end-of-turn token")
+            msgs = wire.anthropic_messages(body.system, body.messages)
+            tools = wire.anthropic_tools(body.tools)
+            sampling = _sampling(session, body.temperature, body.top_p, body.max_tokens, top_k=body.top_k)
+            turn = await _turn(server, session, traced, msgs, tools, sampling)
+            rid = f"msg_{uuid.uuid4().hex}"
+            if not body.stream:
+                return wire.anthropic_response(turn, body.model, rid)
+            return _sse(wire.anthropic_events(turn, body.model, rid, _pieces(server, turn)))
+        return handler
+
+    for prefix, traced in (("/s", True), ("/u", False)):
+        app.post(prefix + "/{session_id}/v1/chat/completions")(chat_completions(traced))
+        app.post(prefix + "/{session_id}/v1/messages")(messages(traced))
+    return app
+
+
+def _pieces(server: ChatServer, turn: Turn) -> list[str]:
+    ended = turn.finish_reason == "stop" and turn.token_ids
+    return token_pieces(server.tokenizer, turn.token_ids[:-1] if ended else turn.token_ids)

@@ -1,0 +1,149 @@
+"""The one accumulator both agent forms build trajectories with (DESIGN.md, "one mechanism").
+
+Given the next full list of chat messages it renders only the template delta, appends its tokens to
+the exact ids sampled so far, asks the engine for the next turn and records the sampled ids with
+action_mask 1, their logprobs and policy versions. Messages that do not extend the previous ones
+(compaction, a template that drops earlier reasoning) seal the segment and open a new one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from instar.contract import NO_VERSION, Generation, Sample, SamplingParams
+from instar.data.chat import Message, continuation_text, encode, parse_tool_calls, prompt_ids
+from instar.engines.protocol import Engine
+
+
+@dataclass
+class Turn:
+    """One sampled assistant turn. ``message`` is the assistant message as the chat template and the
+    wire protocols see it (tool calls parsed out of ``text``); ``text`` is the decoded sampled ids
+    without the end-of-turn token. An empty ``token_ids`` means the context budget ran out first."""
+
+    message: Message
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop", "length", "abort"
+    prompt_tokens: int
+
+
+@dataclass
+class _Segment:
+    token_ids: list[int] = field(default_factory=list)
+    action_mask: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    routed: list[torch.Tensor | None] = field(default_factory=list)  # (moe_layers, top_k) per token, MoE only
+
+    def append(self, ids: list[int], gen: Generation | None = None) -> None:
+        """Template tokens when ``gen`` is None, else the sampled tokens of ``gen``."""
+        self.token_ids += ids
+        self.action_mask += [int(gen is not None)] * len(ids)
+        self.rollout_logprobs += list(gen.logprobs) if gen else [0.0] * len(ids)
+        self.versions += list(gen.versions) if gen else [NO_VERSION] * len(ids)
+        routed = gen.routed_experts if gen is not None else None
+        self.routed += list(routed.unbind(0)) if routed is not None else [None] * len(ids)
+
+    def to_sample(self) -> Sample:
+        known = next((r for r in self.routed if r is not None), None)
+        routed = None
+        if known is not None:
+            # The engine reports the experts of the tokens it sampled; -1 marks template tokens, whose
+            # routing the trainer computes itself (the protocol does not return prefill routing).
+            routed = torch.stack([r if r is not None else torch.full_like(known, -1) for r in self.routed])
+        return Sample(list(self.token_ids), list(self.action_mask), list(self.rollout_logprobs),
+                      list(self.versions), routed_experts=routed)
+
+
+class Transcript:
+    """The token-exact record of one session (one rollout).
+
+    Budgets: the context of the open segment never exceeds ``max_len`` tokens and a turn samples at
+    most ``max_new_tokens``; a turn that ends without its end-of-turn token marks the transcript
+    ``truncated``. An identical retry of the last request is answered from cache, not sampled again.
+    """
+
+    def __init__(self, engine: Engine, tokenizer: Any, *, session_id: str, max_len: int, max_new_tokens: int,
+                 stop_token_ids: list[int] | None = None) -> None:
+        self.engine, self.tokenizer, self.session_id = engine, tokenizer, session_id
+        self.max_len, self.max_new_tokens = max_len, max_new_tokens
+        self.stop_token_ids = stop_token_ids if stop_token_ids is not None else [tokenizer.eos_token_id]
+        self.sealed: list[Sample] = []
+        self.truncated = False
+        self.last_finish_reason = "stop"
+        self.messages: list[Message] = []  # the conversation the open segment holds, ending with a sampled turn
+        self._tools: list[dict] | None = None
+        self._open: _Segment | None = None
+        self._ended = True  # the last turn ended with its end-of-turn token
+        self._turns = 0
+        self._cache: tuple[str, Turn] | None = None
+
+    @property
+    def segments(self) -> list[Sample]:
+        """Sealed segments plus the open one; segments without an action token are left out."""
+        found = self.sealed + ([self._open.to_sample()] if self._open else [])
+        return [s for s in found if s.num_actions]
+
+    def seal(self) -> None:
+        if self._open is not None:
+            self.sealed.append(self._open.to_sample())
+        self._open, self.messages = None, []
+
+    async def sample(self, messages: list[Message], tools: list[dict] | None = None,
+                     sampling: SamplingParams | None = None) -> Turn:
+        """Extend the transcript with ``messages`` (the whole conversation so far) and sample one turn."""
+        sampling = sampling or SamplingParams()
+        key = json.dumps([messages, tools, asdict(sampling)], sort_keys=True, default=str)
+        if self._cache is not None and self._cache[0] == key:
+            return self._cache[1]
+        new_ids = self._delta_ids(messages, tools)
+        context = len(self._open.token_ids) if new_ids is not None else 0
+        if new_ids is None:
+            new_ids = prompt_ids(self.tokenizer, messages, tools)
+        room = self.max_len - context - len(new_ids)
+        if room <= 0:  # not even the observation fits: the rollout ends here
+            self.truncated, self.last_finish_reason = True, "length"
+            turn = Turn({"role": "assistant", "content": ""}, "", [], "length", context + len(new_ids))
+            self._cache = (key, turn)
+            return turn
+        if not context:
+            self.seal()
+            self._open = _Segment()
+        seg = self._open
+        seg.append(new_ids)
+        params = sampling.replace(max_tokens=min(sampling.max_tokens, self.max_new_tokens, room),
+                                  stop_token_ids=sorted({*sampling.stop_token_ids, *self.stop_token_ids}))
+        gen = await self.engine.generate(list(seg.token_ids), params, self.session_id)
+        turn = self._record(seg, gen, messages, tools)
+        self._cache = (key, turn)
+        return turn
+
+    def _delta_ids(self, messages: list[Message], tools: list[dict] | None) -> list[int] | None:
+        """Tokens of the template delta when ``messages`` extend the open segment, else None."""
+        if self._open is None or tools != self._tools:
+            return None
+        end_text = self.tokenizer.decode([self.stop_token_ids[0]], skip_special_tokens=False)
+        text = continuation_text(self.tokenizer, self.messages, messages, tools, end_text, self._ended)
+        return None if text is None else encode(self.tokenizer, text)
+
+    def _record(self, seg: _Segment, gen: Generation, messages: list[Message], tools: list[dict] | None) -> Turn:
+        prompt_tokens = len(seg.token_ids)
+        ids = list(gen.token_ids)
+        seg.append(ids, gen)
+        self._ended = bool(ids) and ids[-1] in self.stop_token_ids
+        text = self.tokenizer.decode(ids[:-1] if self._ended else ids, skip_special_tokens=False)
+        content, calls = parse_tool_calls(text)
+        message: Message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [{"id": f"call_{self._turns}_{i}", "type": "function", "function": c}
+                                     for i, c in enumerate(calls)]
+        self._turns += 1
+        self.messages, self._tools = [*messages, message], tools
+        self.last_finish_reason = gen.finish_reason
+        self.truncated = self.truncated or gen.finish_reason == "length"
+        return Turn(message, text, ids, gen.finish_reason, prompt_tokens)

@@ -1,0 +1,92 @@
+"""Chat-template deltas, tool-call parsing and token pieces (instar/data/chat.py) on the tiny tokenizer."""
+
+import pytest
+from transformers import AutoTokenizer
+
+from instar.data.chat import continuation_text, encode, parse_tool_calls, prompt_messages, render, token_pieces
+
+END = "<|im_end|>"
+USER = {"role": "user", "content": "What is 2+3?"}
+ANSWER = {"role": "assistant", "content": "The answer is 5."}
+CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2+3"}}}]}
+TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_delta_after_a_stopped_turn_is_the_template_text_after_the_end_token(tok):
+    new = [USER, ANSWER, {"role": "user", "content": "Thanks"}]
+    delta = continuation_text(tok, [USER, ANSWER], new, None, END, ended=True)
+    assert delta == "\n<|im_start|>user\nThanks<|im_end|>\n<|im_start|>assistant\n"
+    # Appending the delta to the prompt and the turn as sampled gives the whole conversation.
+    before = render(tok, [USER], generation_prompt=True)
+    assert before + "The answer is 5." + END + delta == render(tok, new, generation_prompt=True)
+
+
+def test_delta_after_a_cut_off_turn_starts_with_the_templates_own_end_token(tok):
+    delta = continuation_text(tok, [USER, ANSWER], [USER, ANSWER, USER], None, END, ended=False)
+    assert delta == "<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_delta_after_a_tool_call_renders_the_tool_result_as_the_template_does(tok):
+    new = [USER, CALL, {"role": "tool", "content": "5"}, {"role": "tool", "content": "6"}]
+    delta = continuation_text(tok, [USER, CALL], new, TOOLS, END, ended=True)
+    assert delta == ("\n<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n6\n"
+                     "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert encode(tok, delta)[:3] == encode(tok, "\n<|im_start|>user")
+
+
+def test_no_delta_when_history_is_rewritten_or_not_extended(tok):
+    assert continuation_text(tok, [USER, ANSWER], [{"role": "user", "content": "Summary"}, USER], None,
+                             END, True) is None
+    assert continuation_text(tok, [USER, ANSWER], [USER, ANSWER], None, END, True) is None
+    assert continuation_text(tok, [USER], [USER, USER], None, END, True) is None  # history must end with a turn
+
+
+def test_a_template_that_drops_earlier_reasoning_breaks_the_prefix_and_gets_no_delta(tok):
+    # A Qwen3-style template: reasoning is shown only in an assistant turn that is still the last one.
+    dropping = tok.chat_template.replace(
+        "<|im_start|>assistant\n{{ message.content or '' }}",
+        "<|im_start|>assistant\n{{ (message.content or '') if loop.last else "
+        "(message.content or '').split('</think>')[-1].lstrip() }}")
+    assert dropping != tok.chat_template
+    tok2 = AutoTokenizer.from_pretrained(tok.name_or_path)
+    tok2.chat_template = dropping
+    thought = {"role": "assistant", "content": "<think>2 plus 3</think>5"}
+    assert continuation_text(tok2, [USER, thought], [USER, thought, USER], None, END, True) is None
+    assert continuation_text(tok2, [USER, ANSWER], [USER, ANSWER, USER], None, END, True) is not None
+    assert continuation_text(tok, [USER, thought], [USER, thought, USER], None, END, True) is not None
+
+
+def test_parse_tool_calls_takes_well_formed_calls_and_leaves_the_rest_in_the_content():
+    text = ('Let me check.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+            '\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "4*5"}}\n</tool_call>')
+    assert parse_tool_calls(text) == ("Let me check.", [
+        {"name": "calculator", "arguments": {"expression": "2+3"}},
+        {"name": "calculator", "arguments": {"expression": "4*5"}}])
+    broken = '<tool_call>\n{"name": "calculator", "arguments": {\n</tool_call>'
+    assert parse_tool_calls(broken) == (broken, [])
+    not_object = '<tool_call>["calculator"]</tool_call> <tool_call>{"name": "f", "arguments": [1]}</tool_call>'
+    assert parse_tool_calls(not_object) == (not_object, [])
+    assert parse_tool_calls('<tool_call>{"name": "f"}</tool_call>') == ("", [{"name": "f", "arguments": {}}])
+    assert parse_tool_calls("The answer is 5.") == ("The answer is 5.", [])
+
+
+def test_token_pieces_join_to_the_decoded_text_one_piece_per_token(tok):
+    ids = encode(tok, "héllo 5€ <tool_call>")
+    pieces = token_pieces(tok, ids)
+    assert len(pieces) == len(ids)
+    assert "".join(pieces) == "héllo 5€ <tool_call>" == tok.decode(ids)
+    assert "\ufffd" not in "".join(pieces)
+
+
+def test_prompt_messages_wraps_strings_and_prepends_the_system_prompt_once():
+    assert prompt_messages("Hi") == [{"role": "user", "content": "Hi"}]
+    assert prompt_messages("Hi", "Be brief.") == [{"role": "system", "content": "Be brief."},
+                                                  {"role": "user", "content": "Hi"}]
+    own = [{"role": "system", "content": "Mine."}, {"role": "user", "content": "Hi"}]
+    assert prompt_messages(own, "Be brief.") == own
