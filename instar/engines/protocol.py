@@ -36,7 +36,12 @@ class Engine(Protocol):
     """A rollout engine. All methods are coroutines except `load` and `version`."""
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       session_id: str | None = None) -> Generation: ...
+                       session_id: str | None = None) -> Generation:
+        """Sample one turn after ``prompt_token_ids``. Per sampled token: its logprob (of the processed
+        or the raw distribution, per ``--vllm.logprobs_mode``; defined in `instar.engines.sampling`),
+        the policy version that sampled it and, for MoE models, its routed experts (moe_layers, top_k).
+        ``session_id`` groups the turns of one rollout (prefix-cache reuse, router affinity)."""
+        ...
 
     async def pause(self, mode: PauseMode = "keep") -> None: ...
 

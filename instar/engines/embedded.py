@@ -1,0 +1,350 @@
+"""The embedded engine: in-process PyTorch over an HF model, the default when no GPU is present.
+
+One asyncio task runs the scheduler; `generate` only enqueues a request and awaits its future. Each
+scheduler step admits queued requests into free cache slots (reusing a session's cached prefix),
+runs one forward over the new tokens of every running request (new prompts and one token per
+decoding request, packed together), samples one token for each, and yields to the event loop. So a
+request that arrives mid-generation joins the batch at the next step and a finished one leaves it
+(continuous batching): a multi-turn agent's next turn never waits for somebody else's batch to
+drain. A step is plain synchronous code, so `pause` can never interleave with one.
+
+Partial rollouts: `pause("keep")` freezes running requests in their slots; `update_weights` swaps
+the weights and marks their KV cache stale; after `resume` each is re-prefilled (prompt and tokens
+sampled so far) under the new weights before it samples again. So every token after the swap is
+drawn from, and its logprob computed by, exactly the new policy on the full context, which is what
+the trainer recomputes; its `versions` entry says so.
+
+MoE routing: the expert ids of a token are recorded when that token is fed through the model. A
+finished request of an MoE model therefore takes one more (sampling-free) step so that its last
+sampled token is routed too; `Generation.routed_experts[i]` is the routing of sampled token ``i``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from instar.config import EngineConfig
+from instar.contract import Generation, SamplingParams
+from instar.engines.kv_model import SlotCache, check_supported, forward, is_moe, make_batch
+from instar.engines.protocol import EngineLoad, PauseMode
+from instar.engines.sampling import sample
+
+
+@dataclass(eq=False)
+class Request:
+    ids: list[int]  # prompt, then every sampled token
+    prompt_len: int
+    params: SamplingParams
+    session_id: str | None
+    generator: torch.Generator | None  # seeded requests only
+    future: asyncio.Future
+    slot: int = -1
+    cached: int = 0  # leading ids whose keys/values are in the slot (and valid for the current weights)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    routed: list[torch.Tensor] = field(default_factory=list)  # (moe_layers, top_k) per routed sampled token
+    finish_reason: str | None = None
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+
+@dataclass
+class CachedPrefix:
+    ids: list[int]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+class EmbeddedEngine:
+    """Implements `instar.engines.protocol.Engine` for Qwen3 / Qwen3-MoE models in this process."""
+
+    def __init__(self, model: nn.Module, cfg: EngineConfig | None = None, version: int = 0):
+        check_supported(model)
+        self.model = model.eval()
+        self.cfg = cfg or EngineConfig()
+        self._version = version
+        self._params = dict(model.named_parameters(remove_duplicate=False))  # tied lm_head.weight included
+        moe_layers = sum(is_moe(layer) for layer in model.model.layers)
+        self._routing_shape = (moe_layers, model.config.num_experts_per_tok) if moe_layers else None
+        self.max_model_len = model.config.max_position_embeddings
+        self._cache = SlotCache(model, self.cfg.max_num_seqs)
+        self._free_slots = list(range(self.cfg.max_num_seqs - 1, -1, -1))
+        self._queue: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._prefixes: OrderedDict[str, CachedPrefix] = OrderedDict()
+        self._prefix_tokens = 0
+        self._paused = False
+        self._admitting = True
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self.stats = {"prompt_tokens": 0, "prefix_hit_tokens": 0, "sampled_tokens": 0}
+        """Counters since start: prompt tokens admitted, of those the ones whose KV came from the
+        session's cached prefix (not recomputed), and tokens sampled."""
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, cfg: EngineConfig | None = None, version: int = 0) -> EmbeddedEngine:
+        """Load an HF checkpoint directory (Qwen3 or Qwen3-MoE) in ``cfg.dtype``."""
+        from transformers import AutoModelForCausalLM
+
+        cfg = cfg or EngineConfig()
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, cfg.dtype))
+        return cls(model, cfg, version)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(queued=len(self._queue), running=len(self._running))
+
+    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                       session_id: str | None = None) -> Generation:
+        """Sample one turn after ``prompt_token_ids``; see `instar.engines.sampling` for which logprob."""
+        self._check_prompt(prompt_token_ids)
+        self._start()
+        seed = sampling_params.seed
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        request = Request(ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids), params=sampling_params,
+                          session_id=session_id, generator=generator,
+                          future=asyncio.get_running_loop().create_future())
+        self._queue.append(request)
+        self._wake.set()
+        return await request.future  # a cancelled caller cancels the future; the scheduler then drops it
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        """keep: freeze running requests; abort: finish every request now with finish_reason "abort";
+        wait: admit nothing new and return once the running requests have finished. New requests queue
+        up in every mode until `resume`."""
+        if mode == "keep":
+            self._paused = True
+        elif mode == "abort":
+            self._paused = True
+            for request in [*self._running, *self._queue]:
+                self._finish(request, request.finish_reason or "abort")
+        elif mode == "wait":
+            self._paused, self._admitting = False, False
+            if self._wake is not None:
+                self._wake.set()
+            while self._running and self._error is None:
+                await asyncio.sleep(0.001)
+            self._paused = True
+        else:
+            raise ValueError(f"pause mode must be 'keep', 'abort' or 'wait', got {mode!r}")
+
+    async def resume(self) -> None:
+        self._paused, self._admitting = False, True
+        if self._wake is not None:
+            self._wake.set()
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy tensors in by HF parameter name (``lm_head.weight`` may be absent when tied), set the
+        policy version, drop cached prefixes and mark running requests' KV stale. Call while paused."""
+        if not self._paused:
+            raise RuntimeError("update_weights needs a paused engine (requests would sample from half-copied "
+                               "weights); await engine.pause('keep') first and engine.resume() after")
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                param = self._params.get(name)
+                if param is None:
+                    raise KeyError(f"update_weights got unknown parameter {name!r}; the engine holds HF names "
+                                   f"such as {next(iter(self._params))!r}")
+                if param.shape != tensor.shape:
+                    raise ValueError(f"update_weights: {name} has shape {tuple(param.shape)} in the engine, "
+                                     f"got {tuple(tensor.shape)}")
+                param.copy_(tensor)
+        self._version = version
+        self._prefixes.clear()
+        self._prefix_tokens = 0
+        for request in self._running:
+            request.cached = 0
+
+    async def close(self) -> None:
+        """Abort every request and stop the scheduler task; the engine takes no new requests."""
+        self._closed = True
+        await self.pause("abort")
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    # -- the scheduler ---------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._closed:
+            raise RuntimeError("generate on a closed engine; create a new EmbeddedEngine")
+        if self._error is not None:
+            raise RuntimeError(f"the embedded engine's scheduler failed earlier: {self._error!r}") from self._error
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        try:
+            while True:
+                if self._paused or not (self._running or (self._admitting and self._queue)):
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                self._step()
+                await asyncio.sleep(0)  # let new requests, pause and resume in between steps
+        except Exception as error:  # fail every waiter rather than leave it hanging
+            self._error = error
+            for request in [*self._running, *self._queue]:
+                if not request.future.done():
+                    request.future.set_exception(error)
+
+    @torch.inference_mode()
+    def _step(self) -> None:
+        self._drop_cancelled()
+        while self._admitting and self._queue and self._free_slots:
+            request = self._queue.popleft()
+            request.slot = self._free_slots.pop()
+            self._running.append(request)
+            self._reuse_prefix(request)
+            self.stats["prompt_tokens"] += request.prompt_len
+        for group in self._forward_groups():
+            self._run(group)
+
+    def _forward_groups(self) -> list[list[Request]]:
+        """Running requests split into forwards of at most ``max_num_batched_tokens`` new tokens:
+        usually one forward for all (decode rows and new prompts together); a longer single prompt
+        runs alone."""
+        groups: list[list[Request]] = [[]]
+        size = 0
+        for request in sorted(self._running, key=lambda r: len(r.ids) - r.cached):
+            n = len(request.ids) - request.cached
+            if groups[-1] and size + n > self.cfg.max_num_batched_tokens:
+                groups.append([])
+                size = 0
+            groups[-1].append(request)
+            size += n
+        return groups
+
+    def _run(self, group: list[Request]) -> None:
+        """One forward over ``group``'s uncached tokens, then one sampled token for each live request."""
+        new = [r.ids[r.cached:] for r in group]
+        batch = make_batch(self._cache, new, [r.slot for r in group], [r.cached for r in group])
+        logits, routed = forward(self.model, self._cache, batch)
+        offset = 0
+        for request, ids in zip(group, new):
+            if routed is not None:
+                self._record_routing(request, routed[offset: offset + len(ids)])
+            offset += len(ids)
+            request.cached = len(request.ids)
+        live = [row for row, r in enumerate(group) if r.finish_reason is None]
+        for request in group:
+            if request.finish_reason is not None:  # an MoE request's last step: routing only
+                self._finish(request, request.finish_reason)
+        if not live:
+            return
+        requests = [group[row] for row in live]
+        tokens, logprobs = sample(logits[live] if len(live) < len(group) else logits,
+                                  [r.params for r in requests], [r.generator for r in requests],
+                                  self.cfg.logprobs_mode)
+        self.stats["sampled_tokens"] += len(requests)
+        for request, token, logprob in zip(requests, tokens.tolist(), logprobs.tolist()):
+            request.ids.append(token)
+            request.logprobs.append(logprob)
+            request.versions.append(self._version)
+            if token in request.params.stop_token_ids:
+                request.finish_reason = "stop"
+            elif request.num_sampled >= request.params.max_tokens or len(request.ids) >= self.max_model_len:
+                request.finish_reason = "length"
+            if request.finish_reason is not None and self._routing_shape is None:
+                self._finish(request, request.finish_reason)
+
+    def _record_routing(self, request: Request, rows: torch.Tensor) -> None:
+        """Keep the routing of fed positions that hold sampled tokens (re-fed ones are overwritten)."""
+        start = max(request.cached, request.prompt_len)
+        first = start - request.prompt_len
+        sampled_rows = rows[start - request.cached:]
+        request.routed[first: first + len(sampled_rows)] = list(sampled_rows.unbind(0))
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        if request.slot >= 0:
+            self._save_prefix(request)
+            self._running.remove(request)
+            self._free_slots.append(request.slot)
+            request.slot = -1
+        elif request in self._queue:
+            self._queue.remove(request)
+        if not request.future.done():
+            request.future.set_result(self._generation(request))
+
+    def _generation(self, request: Request) -> Generation:
+        routed = None
+        if self._routing_shape is not None:
+            # -1 marks a sampled token that was never fed through the model (only after an abort).
+            routed = torch.full((request.num_sampled, *self._routing_shape), -1, dtype=torch.int64)
+            if request.routed:
+                routed[: len(request.routed)] = torch.stack(request.routed)
+        return Generation(token_ids=request.ids[request.prompt_len:], logprobs=request.logprobs,
+                          versions=request.versions, finish_reason=request.finish_reason, routed_experts=routed)
+
+    def _drop_cancelled(self) -> None:
+        for request in [r for r in (*self._running, *self._queue) if r.future.cancelled()]:
+            self._finish(request, "abort")
+
+    # -- prefix cache ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _save_prefix(self, request: Request) -> None:
+        if not (self.cfg.enable_prefix_caching and request.session_id is not None and request.cached > 0):
+            return
+        keys, values = self._cache.read(request.slot, request.cached)
+        self._pop_prefix(request.session_id)
+        self._prefixes[request.session_id] = CachedPrefix(request.ids[: request.cached], keys, values)
+        self._prefix_tokens += request.cached
+        while self._prefix_tokens > self.cfg.prefix_cache_max_tokens:  # least recently saved first
+            self._pop_prefix(next(iter(self._prefixes)))
+
+    def _pop_prefix(self, session_id: str) -> CachedPrefix | None:
+        entry = self._prefixes.pop(session_id, None)
+        if entry is not None:
+            self._prefix_tokens -= len(entry.ids)
+        return entry
+
+    def _reuse_prefix(self, request: Request) -> None:
+        """Copy the session's cached keys/values for the longest common prefix into the new slot; at
+        least the last prompt token is always fed, since its logits give the first sample."""
+        entry = self._pop_prefix(request.session_id) if request.session_id is not None else None
+        if entry is None:
+            return
+        n = common_prefix_len(entry.ids, request.ids[:-1])
+        if n:
+            self._cache.write(request.slot, entry.keys, entry.values, n)
+            request.cached = n
+            self.stats["prefix_hit_tokens"] += n
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("generate needs a non-empty prompt_token_ids")
+        vocab = self.model.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise ValueError(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the model allows at most {self.max_model_len - 1} "
+                             "before the first sampled token (max_position_embeddings)")
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])

@@ -1,0 +1,185 @@
+"""A compact forward of an HF Qwen3 / Qwen3-MoE model over ragged sequences with a slotted KV cache.
+
+Why not HF's forward and cache: HF's cache holds one length for the whole batch, so sequences that
+join and leave a running batch (continuous batching) would need re-padding every step. Here each
+running request owns a *slot* of a preallocated cache, (slots, kv_heads, capacity, head_dim) per
+layer. One forward takes every request's not-yet-cached tokens packed back to back (prefill and
+decode rows together, no padding through the projections and MLP), writes their keys and values at
+the request's own positions, and attends per group of rows with a causal mask per row.
+
+The forward calls the HF model's own submodules (norms, projections, rotary embedding, MLP, MoE
+router and experts), so its arithmetic is HF's; only attention and the cache are written here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+
+
+def check_supported(model: nn.Module) -> None:
+    """Raise if the embedded engine cannot run ``model`` exactly."""
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"the embedded engine runs {SUPPORTED_MODEL_TYPES} models, got model_type "
+                         f"{config.model_type!r}; use --rollout.engine vllm for other architectures")
+    if model.device.type != "cpu":
+        raise ValueError(f"the embedded engine runs on CPU, the model is on {model.device}; use --rollout.engine "
+                         "vllm on GPUs")
+    if any(getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers):
+        raise ValueError("the embedded engine has no sliding-window attention; set use_sliding_window "
+                         "false in the model config or use --rollout.engine vllm")
+
+
+def is_moe(layer: nn.Module) -> bool:
+    return hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
+
+
+class SlotCache:
+    """Keys and values of every running request, one slot each; capacity grows by doubling.
+    Every slot spans the longest running sequence (slots x longest x layers in memory): simple and
+    fast for the small models this engine is for; a paged cache is what vLLM adds."""
+
+    def __init__(self, model: nn.Module, slots: int, capacity: int = 16):
+        config = model.config
+        self.shape = (slots, config.num_key_value_heads, capacity, config.head_dim)
+        self.dtype = model.model.embed_tokens.weight.dtype
+        self.k = [torch.zeros(self.shape, dtype=self.dtype) for _ in model.model.layers]
+        self.v = [torch.zeros(self.shape, dtype=self.dtype) for _ in model.model.layers]
+
+    @property
+    def capacity(self) -> int:
+        return self.shape[2]
+
+    def reserve(self, length: int) -> None:
+        if length <= self.capacity:
+            return
+        capacity = max(length, 2 * self.capacity)
+        self.shape = (*self.shape[:2], capacity, self.shape[3])
+        for kv in (self.k, self.v):
+            for i, old in enumerate(kv):
+                kv[i] = torch.zeros(self.shape, dtype=self.dtype)
+                kv[i][:, :, : old.shape[2]] = old
+
+    def read(self, slot: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of the first ``length`` cached positions of ``slot``, per layer (kv_heads, length, head_dim)."""
+        return [k[slot, :, :length].clone() for k in self.k], [v[slot, :, :length].clone() for v in self.v]
+
+    def write(self, slot: int, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
+        """Put the first ``length`` positions of saved ``keys`` / ``values`` back into ``slot``."""
+        self.reserve(length)
+        for cache, saved in ((self.k, keys), (self.v, values)):
+            for layer_cache, layer_saved in zip(cache, saved):
+                layer_cache[slot, :, :length] = layer_saved[:, :length]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class AttentionGroup:
+    """Rows attended together: their new tokens on a (rows, T) grid of packed token indices."""
+
+    slots: torch.Tensor  # (rows,)
+    mask: torch.Tensor  # (rows, 1, T, span) bool: key position <= query position
+    grid: torch.Tensor | None  # (rows, T), padding repeats a row's last token; None: T = 1 and rows = packed order
+    valid: torch.Tensor | None  # (rows, T) bool: grid entries that are real tokens; None: all are
+
+
+@dataclass
+class Batch:
+    """B rows of new tokens packed back to back (N tokens): row b's tokens sit at positions
+    ``past[b], past[b] + 1, ...`` after the ``past[b]`` tokens already cached in slot ``slots[b]``."""
+
+    tokens: torch.Tensor  # (N,)
+    positions: torch.Tensor  # (N,)
+    write_index: torch.Tensor  # (N * kv_heads,) rows of the flattened cache that receive the new keys
+    last: torch.Tensor  # (B,) packed index of each row's last token
+    groups: list[AttentionGroup]
+
+
+def make_batch(cache: SlotCache, new_ids: list[list[int]], slots: list[int], past: list[int]) -> Batch:
+    """Index tensors for one forward. Single-token (decode) rows and longer (prefill) rows attend in
+    separate groups, so a decode row is never padded to a prompt's length."""
+    lengths, past_t, slots_t = torch.tensor([len(ids) for ids in new_ids]), torch.tensor(past), torch.tensor(slots)
+    ends = past_t + lengths
+    cache.reserve(int(ends.max()))
+    starts = lengths.cumsum(0) - lengths
+    row = torch.repeat_interleave(torch.arange(len(new_ids)), lengths)  # (N,) row of each packed token
+    positions = past_t[row] + torch.arange(len(row)) - starts[row]
+    _, kv_heads, capacity, _ = cache.shape
+    write_index = ((slots_t[row][:, None] * kv_heads + torch.arange(kv_heads)) * capacity + positions[:, None])
+    groups = []
+    if bool((lengths == 1).all()):  # pure decode step: no gathering at all
+        mask = (torch.arange(int(ends.max())) < ends[:, None])[:, None, None]
+        groups.append(AttentionGroup(slots_t, mask, None, None))
+    else:
+        for rows in ((lengths == 1).nonzero()[:, 0], (lengths > 1).nonzero()[:, 0]):
+            if len(rows):
+                steps = torch.arange(int(lengths[rows].max()))
+                grid = starts[rows][:, None] + torch.minimum(steps, lengths[rows][:, None] - 1)
+                mask = (torch.arange(int(ends[rows].max())) <= positions[grid][:, :, None])[:, None]
+                groups.append(AttentionGroup(slots_t[rows], mask, grid, steps < lengths[rows][:, None]))
+    tokens = torch.tensor([t for ids in new_ids for t in ids])
+    return Batch(tokens, positions, write_index.reshape(-1), starts + lengths - 1, groups)
+
+
+def attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: SlotCache, layer: int,
+              batch: Batch) -> torch.Tensor:
+    """Self-attention of the packed new tokens ``x`` (N, hidden) over each row's cached and new keys."""
+    tokens, head_dim = x.shape[0], cache.shape[3]
+    q = attn.q_norm(attn.q_proj(x).view(tokens, -1, head_dim))
+    k = attn.k_norm(attn.k_proj(x).view(tokens, -1, head_dim))
+    v = attn.v_proj(x).view(tokens, -1, head_dim)
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    cache.k[layer].view(-1, head_dim).index_copy_(0, batch.write_index, k.reshape(-1, head_dim))
+    cache.v[layer].view(-1, head_dim).index_copy_(0, batch.write_index, v.reshape(-1, head_dim))
+    out = q if batch.groups[0].grid is None else torch.empty_like(q)
+    for group in batch.groups:
+        span = group.mask.shape[-1]  # index_select is much faster than advanced indexing here
+        keys = cache.k[layer][:, :, :span].index_select(0, group.slots)
+        values = cache.v[layer][:, :, :span].index_select(0, group.slots)
+        query = q[:, :, None] if group.grid is None else q[group.grid].transpose(1, 2)  # (rows, heads, T, head_dim)
+        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask, scale=attn.scaling,
+                                           enable_gqa=True)
+        if group.grid is None:
+            out = o[:, :, 0]
+        else:
+            out[group.grid[group.valid]] = o.transpose(1, 2)[group.valid]
+    return attn.o_proj(out.reshape(tokens, -1))
+
+
+def moe_mlp(mlp: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's sparse MoE block over packed tokens (N, hidden), returning the routed expert ids (N, top_k) too."""
+    _, weights, experts = mlp.gate(x)
+    return mlp.experts(x, experts, weights), experts
+
+
+@torch.inference_mode()
+def forward(model: nn.Module, cache: SlotCache, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run a batch's new tokens through ``model``, writing their keys and values into ``cache``.
+    Returns the logits after each row's last token (B, vocab) and, for MoE models, the routed expert
+    ids of every new token (N, moe_layers, top_k), int64."""
+    inner = model.model
+    h = inner.embed_tokens(batch.tokens)
+    cos, sin = inner.rotary_emb(h, batch.positions[None])
+    cos, sin = cos[0, :, None], sin[0, :, None]  # (N, 1, head_dim): broadcast over heads
+    routed = []
+    for i, layer in enumerate(inner.layers):
+        h = h + attention(layer.self_attn, layer.input_layernorm(h), cos, sin, cache, i, batch)
+        x = layer.post_attention_layernorm(h)
+        if is_moe(layer):
+            out, experts = moe_mlp(layer.mlp, x)
+            routed.append(experts)
+        else:
+            out = layer.mlp(x)
+        h = h + out
+    logits = model.lm_head(inner.norm(h[batch.last]))
+    return logits, torch.stack(routed, dim=1) if routed else None

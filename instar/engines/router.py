@@ -1,0 +1,81 @@
+"""The session-affinity router in front of N rollout engines.
+
+Every request of one session goes to the engine that served its first turn, where that session's
+prefix cache is warm; a new session goes to the engine with the least load (queued + running).
+Pause, resume and weight updates fan out to every engine concurrently.
+
+Engines are anything that speaks `instar.engines.protocol.Engine`. Every call is awaited, and
+`load()` may return an `EngineLoad` or an awaitable of one, so a thin async proxy of a Ray actor
+handle fits as well as an in-process engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from instar.contract import Generation, SamplingParams
+from instar.engines.protocol import Engine, EngineLoad, PauseMode
+
+
+class Router:
+    """Places sessions on engines and fans control calls out to all of them."""
+
+    def __init__(self, engines: Sequence[Engine]):
+        if not engines:
+            raise ValueError("Router needs at least one engine")
+        self.engines = list(engines)
+        self.sessions: dict[str, int] = {}  # session_id -> engine index
+        # Requests sent but not yet answered, per engine: breaks ties between equal loads, so a burst
+        # of new sessions spreads out even when an engine reports its load with a delay.
+        self._in_flight = [0] * len(self.engines)
+
+    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                       session_id: str | None = None) -> Generation:
+        index = await self._place(session_id)
+        try:
+            return await self.engines[index].generate(prompt_token_ids, sampling_params, session_id)
+        finally:
+            self._in_flight[index] -= 1
+
+    async def _place(self, session_id: str | None) -> int:
+        """The session's engine, or the least-loaded one; counts the request as in flight there."""
+        index = self.sessions.get(session_id) if session_id is not None else None
+        if index is None:
+            loads = await self._loads()
+            # No await between choosing and counting: concurrent placements see each other's choice.
+            index = min(range(len(self.engines)), key=lambda i: (loads[i].total, self._in_flight[i], i))
+            if session_id is not None:  # a concurrent first request of the same session may have won
+                index = self.sessions.setdefault(session_id, index)
+        self._in_flight[index] += 1
+        return index
+
+    async def _loads(self) -> list[EngineLoad]:
+        # One at a time: an in-process engine's load() then never suspends this coroutine.
+        return [await _value(engine.load()) for engine in self.engines]
+
+    def release(self, session_id: str) -> None:
+        """Forget a finished session (its next request, if any, is placed afresh)."""
+        self.sessions.pop(session_id, None)
+
+    async def load(self) -> EngineLoad:
+        loads = await self._loads()
+        return EngineLoad(queued=sum(x.queued for x in loads), running=sum(x.running for x in loads))
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        await asyncio.gather(*(engine.pause(mode) for engine in self.engines))
+
+    async def resume(self) -> None:
+        await asyncio.gather(*(engine.resume() for engine in self.engines))
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Send the same weights to every engine (an iterator is consumed once, here)."""
+        named_tensors = list(named_tensors)
+        await asyncio.gather(*(engine.update_weights(named_tensors, version) for engine in self.engines))
+
+
+async def _value(x):
+    return await x if inspect.isawaitable(x) else x

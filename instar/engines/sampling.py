@@ -1,0 +1,82 @@
+"""Sampling: a pure function from a batch of logits and per-request settings to (token, logprob).
+
+The distribution actually sampled from is built in this order, vLLM's, so that both engines sample
+(and report logprobs of) the same distribution:
+
+1. temperature: ``logits / T`` (``T == 0`` means greedy: argmax of the raw logits);
+2. min-p: keep tokens whose probability is at least ``min_p`` times the largest one (``0``: all);
+3. top-k: keep the ``k`` highest-ranked tokens (``k <= 0``: all; ties are broken by sort order);
+4. top-p: keep the smallest set of highest-ranked tokens whose probability, renormalised over the
+   tokens 2-3 kept, reaches ``p`` (``p == 1``: all).
+
+Which logprob comes back is the ``logprobs_mode`` setting (``--vllm.logprobs_mode``), because
+importance-sampling correction divides by it:
+
+* ``processed``: log-probability of the sampled token under the distribution of 1-4, i.e. the
+  behaviour policy that really produced the token. Filtered-out tokens have -inf (never sampled).
+* ``raw``: log-probability under the unmodified model distribution (temperature 1, no filter), the
+  same quantity a trainer forward computes with ``log_softmax(logits)``.
+
+Greedy requests (temperature 0) always return the raw logprob: the processed distribution is a
+point mass (logprob 0), which carries no information for a trainer.
+
+Each request draws one uniform number per token and inverts the CDF. A seeded request draws from its
+own `torch.Generator`, so it reproduces its samples whatever else shares the batch; unseeded ones
+(generator None) share one draw from torch's default generator.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from instar.contract import SamplingParams
+
+LogprobsMode = Literal["processed", "raw"]
+
+
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature-scaled logits with top-k / top-p / min-p filtered tokens set to -inf, shape (B, V).
+    Greedy rows (temperature 0) are left at temperature 1 and unfiltered; `sample` takes their argmax."""
+    logits = logits.float()
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+    scaled = logits / temps[:, None]
+    if not any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+        return scaled
+    vocab = scaled.shape[-1]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    min_p = torch.tensor([p.min_p for p in params])
+    ratio = (sorted_logits - sorted_logits[:, :1]).exp()  # p_i / p_max
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+    keep = (ratio >= min_p[:, None]) & (torch.arange(vocab)[None, :] < top_k[:, None])
+    probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+    top_p = torch.tensor([p.top_p for p in params])
+    # A token stays if the mass ranked above it is still short of p; rows with p == 1 keep everything
+    # (float rounding can push the cumulative sum past 1 on the tail).
+    keep &= ((probs.cumsum(dim=-1) - probs) < top_p[:, None]) | (top_p[:, None] >= 1)
+    mask = torch.zeros_like(keep).scatter_(1, order, keep)
+    return scaled.masked_fill(~mask, float("-inf"))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           logprobs_mode: LogprobsMode = "processed") -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits`` (B, V). Returns (token ids (B,) int64, logprobs (B,) float32)."""
+    raw = logits.float().log_softmax(dim=-1)
+    untouched = all(p.temperature in (0, 1) and p.top_k <= 0 and p.top_p >= 1 and p.min_p <= 0 for p in params)
+    processed = raw if untouched else filter_logits(logits, params).log_softmax(dim=-1)
+    cdf = processed.exp().cumsum(dim=-1)
+    u = torch.rand(len(generators))
+    for row, g in enumerate(generators):
+        if g is not None:
+            u[row] = torch.rand((), generator=g)
+    # right=True skips zero-probability tokens (their cdf equals their predecessor's); the minimum guards
+    # u * total rounding up to total, which would point past the last token with probability > 0.
+    tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    tokens = torch.minimum(tokens, (cdf < cdf[:, -1:]).sum(dim=-1))
+    greedy = torch.tensor([p.temperature == 0 for p in params])
+    if greedy.any():
+        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+    use_raw = greedy | (logprobs_mode == "raw")
+    pick = tokens[:, None]
+    return tokens, torch.where(use_raw, raw.gather(1, pick)[:, 0], processed.gather(1, pick)[:, 0])

@@ -1,0 +1,287 @@
+"""The embedded engine against HF transformers on the tiny models (fp32): greedy tokens, logprobs,
+seeds, partial rollouts across a weight update, MoE routing, prefix reuse, pause modes."""
+
+import asyncio
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from instar.config import EngineConfig
+from instar.contract import SamplingParams
+from instar.engines import EmbeddedEngine
+
+PROMPTS = [[5, 77, 301], [12, 400, 9, 250, 33, 71, 2, 18, 90, 91, 92, 300, 301, 302, 17, 16, 15],
+           [260, 261, 262, 263, 264, 265, 266, 267, 268], [100 + i for i in range(30)]]
+
+
+@pytest.fixture(scope="module")
+def dense(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def moe(tiny_moe_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_moe_dir).eval()
+
+
+def run_engine(model, body, cfg=None):
+    """Run ``await body(engine)`` on a fresh engine over a copy of ``model``; always closes it."""
+    async def main():
+        engine = EmbeddedEngine(copy.deepcopy(model), cfg or EngineConfig())
+        try:
+            return await body(engine)
+        finally:
+            await engine.close()
+    return asyncio.run(main())
+
+
+def hf_logprobs(model, prompt, tokens, temperature=1.0):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    return (logits / temperature).log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+# max_num_seqs=2 makes requests queue and join the batch as others leave; a tiny prefill budget splits
+# the prefills into several forwards.
+@pytest.mark.parametrize("cfg", [EngineConfig(), EngineConfig(max_num_seqs=2, max_num_batched_tokens=16)])
+def test_greedy_matches_hf_generate(dense, cfg):
+    eos = dense.config.eos_token_id
+    params = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[eos])
+
+    async def body(engine):
+        return await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS))
+
+    for prompt, gen in zip(PROMPTS, run_engine(dense, body, cfg)):
+        assert gen.token_ids == hf_greedy(dense, prompt, 12)
+        assert gen.finish_reason == ("stop" if gen.token_ids[-1] == eos else "length")
+        assert gen.versions == [0] * len(gen.token_ids)
+        # Greedy returns the raw logprob.
+        assert torch.allclose(torch.tensor(gen.logprobs), hf_logprobs(dense, prompt, gen.token_ids), atol=1e-4)
+
+
+@pytest.mark.parametrize("mode,temperature,top_k", [("processed", 0.7, -1), ("raw", 0.7, -1), ("processed", 1.3, 5)])
+def test_logprobs_match_full_forward(dense, mode, temperature, top_k):
+    params = SamplingParams(temperature=temperature, top_k=top_k, max_tokens=10, seed=3)
+
+    async def body(engine):
+        return await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS))
+
+    for prompt, gen in zip(PROMPTS, run_engine(dense, body, EngineConfig(logprobs_mode=mode))):
+        with torch.no_grad():
+            logits = dense(torch.tensor([prompt + gen.token_ids])).logits[0, len(prompt) - 1:-1]
+        if mode == "raw":
+            expected = logits.log_softmax(-1)
+        else:
+            scaled = logits / temperature
+            if top_k > 0:
+                kth = scaled.topk(top_k, dim=-1).values[:, -1:]
+                scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+            expected = scaled.log_softmax(-1)
+        expected = expected.gather(1, torch.tensor(gen.token_ids)[:, None])[:, 0]
+        assert (torch.tensor(gen.logprobs) - expected).abs().max() < 1e-4
+
+
+def test_seed_reproduces_samples_whatever_the_batch(dense):
+    params = SamplingParams(temperature=1.0, max_tokens=16, seed=1234)
+
+    async def body(engine):
+        alone = await engine.generate(PROMPTS[1], params)
+        crowd = await asyncio.gather(*(engine.generate(p, params.replace(seed=i)) for i, p in enumerate(PROMPTS)),
+                                     engine.generate(PROMPTS[1], params))
+        return alone, crowd
+
+    alone, crowd = run_engine(dense, body)
+    assert crowd[-1].token_ids == alone.token_ids
+    assert crowd[-1].logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+    assert crowd[1].token_ids != alone.token_ids  # seed 1 instead of 1234
+
+
+def test_stop_token_ends_the_turn(dense):
+    greedy = hf_greedy(dense, PROMPTS[0], 8)
+    params = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[greedy[3]])
+
+    async def body(engine):
+        return await engine.generate(PROMPTS[0], params)
+
+    gen = run_engine(dense, body)
+    stop_at = greedy.index(greedy[3])
+    assert gen.token_ids == greedy[: stop_at + 1]
+    assert gen.finish_reason == "stop"
+
+
+def perturbed(model, scale=0.05):
+    new = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return new
+
+
+def test_weight_update_during_keep_pause(dense):
+    new_model = perturbed(dense)
+    prompt, params = PROMPTS[2], SamplingParams(temperature=0, max_tokens=12)
+
+    async def body(engine):
+        task = asyncio.create_task(engine.generate(prompt, params))
+        while not engine._running or engine._running[0].num_sampled < 4:
+            await asyncio.sleep(0)
+        await engine.pause("keep")
+        before = engine._running[0].num_sampled
+        for _ in range(5):  # frozen: no progress while paused
+            await asyncio.sleep(0)
+        assert engine._running[0].num_sampled == before
+        await engine.update_weights(new_model.named_parameters(), version=1)  # tied: no lm_head.weight
+        await engine.resume()
+        return before, await task
+
+    before, gen = run_engine(dense, body)
+    assert gen.versions == [0] * before + [1] * (12 - before)
+    old_part, new_part = gen.token_ids[:before], gen.token_ids[before:]
+    assert old_part == hf_greedy(dense, prompt, before)
+    assert new_part == hf_greedy(new_model, prompt + old_part, 12 - before)
+    got = torch.tensor(gen.logprobs)
+    assert (got[:before] - hf_logprobs(dense, prompt, old_part)).abs().max() < 1e-4
+    # After the swap: the new weights over the whole context (the running request was re-prefilled).
+    assert (got[before:] - hf_logprobs(new_model, prompt, gen.token_ids)[before:]).abs().max() < 1e-4
+
+
+def test_update_weights_errors(dense):
+    async def body(engine):
+        with pytest.raises(RuntimeError, match="pause"):
+            await engine.update_weights([], version=1)
+        await engine.pause("keep")
+        with pytest.raises(KeyError, match="model.nope"):
+            await engine.update_weights([("model.nope", torch.zeros(1))], version=1)
+        with pytest.raises(ValueError, match=r"model.norm.weight has shape \(64,\)"):
+            await engine.update_weights([("model.norm.weight", torch.zeros(3))], version=1)
+        # An untied-style state dict (lm_head.weight present) loads too.
+        await engine.update_weights(dense.named_parameters(remove_duplicate=False), version=5)
+        assert engine.version == 5
+        with pytest.raises(ValueError, match="outside the model's vocabulary"):
+            await engine.generate([1, 99999], SamplingParams())
+
+    run_engine(dense, body)
+
+
+def test_moe_routing_matches_hf_router(moe, tiny_moe_dir):
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=0)
+
+    async def main():
+        engine = EmbeddedEngine.from_pretrained(tiny_moe_dir, EngineConfig(dtype="float32"))
+        try:
+            return await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS[:3]))
+        finally:
+            await engine.close()
+
+    gens = asyncio.run(main())
+    for prompt, gen in zip(PROMPTS, gens):
+        recorded = []
+        hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, out, rec=recorded: rec.append(out[2]))
+                 for layer in moe.model.layers]
+        try:
+            expected_logprobs = hf_logprobs(moe, prompt, gen.token_ids)
+        finally:
+            for h in hooks:
+                h.remove()
+        expected = torch.stack(recorded, dim=1)[len(prompt):]  # (sampled tokens, layers, top_k)
+        assert gen.routed_experts.shape == (8, 2, 2)
+        assert torch.equal(gen.routed_experts, expected)
+        assert (torch.tensor(gen.logprobs) - expected_logprobs).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_session_prefix_is_reused_across_turns(dense, enabled):
+    params = SamplingParams(temperature=0, max_tokens=6)
+    observation = [40, 41, 42]
+
+    async def body(engine):
+        first = await engine.generate(PROMPTS[3], params, session_id="s")
+        prompt2 = PROMPTS[3] + first.token_ids + observation
+        second = await engine.generate(prompt2, params, session_id="s")
+        return first, prompt2, second, dict(engine.stats)
+
+    first, prompt2, second, stats = run_engine(dense, body, EngineConfig(enable_prefix_caching=enabled))
+    assert second.token_ids == hf_greedy(dense, prompt2, 6)
+    assert (torch.tensor(second.logprobs) - hf_logprobs(dense, prompt2, second.token_ids)).abs().max() < 1e-4
+    # Turn 2 reused the prompt and all but the last sampled token (never fed) of turn 1.
+    assert stats["prefix_hit_tokens"] == (len(PROMPTS[3]) + 5 if enabled else 0)
+    assert stats["prompt_tokens"] == len(PROMPTS[3]) + len(prompt2)
+
+
+def test_short_request_joins_and_leaves_a_running_batch(dense):
+    async def body(engine):
+        long = asyncio.create_task(engine.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=40)))
+        while not engine._running or engine._running[0].num_sampled < 5:
+            await asyncio.sleep(0)
+        short = await engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3))
+        return short, long.done(), await long
+
+    short, long_was_done, long = run_engine(dense, body)
+    assert not long_was_done
+    assert short.token_ids == hf_greedy(dense, PROMPTS[0], 3)
+    assert long.token_ids == hf_greedy(dense, PROMPTS[3], 40)
+
+
+def test_pause_abort_and_wait(dense):
+    async def body(engine):
+        running = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(max_tokens=50, seed=0)))
+        while not engine._running or engine._running[0].num_sampled < 3:
+            await asyncio.sleep(0)
+        await engine.pause("abort")
+        aborted = await running
+        queued = asyncio.create_task(engine.generate(PROMPTS[1], SamplingParams(max_tokens=4, seed=0)))
+        await asyncio.sleep(0.01)
+        assert engine.load().queued == 1 and not queued.done()  # paused: it waits for resume
+        await engine.resume()
+        first = asyncio.create_task(engine.generate(PROMPTS[2], SamplingParams(max_tokens=6, seed=0)))
+        while engine.load().running < 2:
+            await asyncio.sleep(0)
+        await engine.pause("wait")  # returns once both running requests have finished
+        waited = first.done() and queued.done()
+        late = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(max_tokens=2, seed=0)))
+        await asyncio.sleep(0.01)
+        late_waits = not late.done()
+        await engine.resume()
+        return aborted, waited, late_waits, await first, await late
+
+    aborted, waited, late_waits, first, late = run_engine(dense, body)
+    assert aborted.finish_reason == "abort" and 3 <= len(aborted.token_ids) < 50
+    assert len(aborted.logprobs) == len(aborted.versions) == len(aborted.token_ids)
+    assert waited and late_waits
+    assert first.finish_reason == "length" and len(first.token_ids) == 6
+    assert len(late.token_ids) == 2
+
+
+def test_scheduler_failure_reaches_every_waiter(dense):
+    async def body(engine):
+        def broken(group):
+            raise RuntimeError("boom")
+        engine._run = broken  # stands in for any failure inside a step (e.g. out of memory)
+        results = await asyncio.gather(*(engine.generate(p, SamplingParams()) for p in PROMPTS),
+                                       return_exceptions=True)
+        with pytest.raises(RuntimeError, match="failed earlier"):
+            await engine.generate(PROMPTS[0], SamplingParams())
+        return results
+
+    results = run_engine(dense, body)
+    assert [str(r) for r in results] == ["boom"] * len(PROMPTS)
+
+
+def test_closed_engine_refuses_requests(dense):
+    async def main():
+        engine = EmbeddedEngine(copy.deepcopy(dense))
+        await engine.generate(PROMPTS[0], SamplingParams(max_tokens=2))
+        await engine.close()
+        with pytest.raises(RuntimeError, match="closed engine"):
+            await engine.generate(PROMPTS[0], SamplingParams())
+
+    asyncio.run(main())
