@@ -2,7 +2,7 @@
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast lint
+.PHONY: setup demo test test-fast lint test-vllm
 
 setup:
 	@bash scripts/setup.sh
@@ -20,3 +20,9 @@ test-fast: setup
 
 lint: setup
 	.venv/bin/ruff check .
+
+# The vLLM engine's integration tier on vLLM's CPU build, in its own venv (.venv-vllm, ~3 min to set up
+# once); a missing vllm there is an error, never a skip.
+test-vllm:
+	@bash scripts/setup_vllm.sh
+	INSTAR_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm
