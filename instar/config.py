@@ -171,11 +171,12 @@ class EngineConfig:
     """Engine compute dtype."""
     logprobs_mode: Literal["raw", "processed"] = "processed"
     """Which logprob the engine returns: of the raw model distribution (temperature 1, unfiltered),
-    or of the distribution actually sampled from (after temperature / top-k / top-p / min-p)."""
+    or of the distribution actually sampled from (after temperature, min-p, top-k, top-p, in that order;
+    greedy requests return the raw one). Defined in instar/engines/sampling.py."""
     max_num_seqs: int = 64
     """Most requests decoded together in one engine step."""
     max_num_batched_tokens: int = 8192
-    """Most (padded) prompt tokens prefilled in one forward; a longer single prompt still runs alone."""
+    """Most new tokens (prompts and decodes together) in one forward; a longer single prompt runs alone."""
     prefix_cache_max_tokens: int = 262144
     """Embedded engine: tokens of finished sessions' KV cache kept for their next turn (LRU)."""
     speculative_config: dict | None = None
@@ -306,6 +307,8 @@ class SFTSection:
     """Longest conversation in tokens; longer ones are truncated."""
     eval_fraction: float = 0.0
     """Fraction of conversations held out to report eval loss."""
+    eval_steps: int = 0
+    """Report the held-out loss every N steps; 0: only before the first and after the last step."""
 
 
 @dataclass

@@ -1,0 +1,90 @@
+"""SFT data: chat-format JSONL conversations as token-level ``Sample``s whose ``action_mask`` marks
+the assistant tokens, the only ones the loss sees.
+
+Assistant spans come from the chat template itself, with no role markers written here: the
+conversation is rendered prefix by prefix (``messages[:i]``, then with the generation prompt, then
+``messages[:i+1]``) and each new piece of text is tokenized once and appended, as the RL transcript
+does with template deltas. Pieces between the generation prompt and the end of an assistant message
+(its content and the template's closing tokens) are trainable; everything else is context.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from instar.contract import NO_VERSION, Sample
+
+
+class TemplateError(ValueError):
+    """The chat template renders a conversation in a way spans cannot be read from."""
+
+
+def _render(tokenizer: Any, messages: list[dict], tools: list | None, generation_prompt: bool) -> str:
+    if not messages:
+        return ""
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=generation_prompt)
+
+
+def _extend(done: str, text: str, where: str) -> str:
+    if not text.startswith(done):
+        raise TemplateError(f"the chat template does not render {where} as an extension of the messages before it "
+                            "(it rewrites earlier turns, e.g. drops old reasoning); use a prefix-stable template")
+    return text[len(done):]
+
+
+def tokenize_conversation(tokenizer: Any, messages: list[dict],
+                          tools: list | None = None) -> tuple[list[int], list[int]]:
+    """Token ids of the rendered conversation and a 0/1 mask of the assistant tokens."""
+    ids: list[int] = []
+    mask: list[int] = []
+    done = ""
+
+    def append(text: str, trainable: int) -> None:
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        ids.extend(piece)
+        mask.extend([trainable] * len(piece))
+
+    for i, message in enumerate(messages):
+        if message.get("role") == "assistant":
+            prompt = _render(tokenizer, messages[:i], tools, generation_prompt=True)
+            append(_extend(done, prompt, f"the generation prompt before message {i}"), 0)
+            done = prompt
+        full = _render(tokenizer, messages[: i + 1], tools, generation_prompt=False)
+        append(_extend(done, full, f"message {i}"), int(message.get("role") == "assistant"))
+        done = full
+    return ids, mask
+
+
+def conversation_sample(tokenizer: Any, messages: list[dict], tools: list | None = None,
+                        max_len: int | None = None) -> Sample | None:
+    """One conversation as a ``Sample`` (truncated to ``max_len`` tokens); None when no assistant
+    token survives. Action tokens carry logprob 0 and version 0: no behaviour policy sampled them."""
+    ids, mask = tokenize_conversation(tokenizer, messages, tools)
+    ids, mask = ids[:max_len], mask[:max_len]
+    if not any(mask):
+        return None
+    return Sample(token_ids=ids, action_mask=mask, rollout_logprobs=[0.0] * len(ids),
+                  versions=[0 if m else NO_VERSION for m in mask])
+
+
+def load_sft_samples(path: str, tokenizer: Any, messages_key: str = "messages", max_len: int | None = None,
+                     tools_key: str = "tools") -> list[Sample]:
+    """Every conversation of a JSONL file (one record per line, a list of chat messages under
+    ``messages_key``, optional tool schemas under ``tools_key``), in file order."""
+    samples: list[Sample] = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if not isinstance(record.get(messages_key), list):
+                raise ValueError(f"{path}:{n} has no message list under {messages_key!r} (keys: {sorted(record)}); "
+                                 "set --sft.messages_key")
+            sample = conversation_sample(tokenizer, record[messages_key], record.get(tools_key), max_len)
+            if sample is not None:
+                samples.append(sample)
+    if not samples:
+        raise ValueError(f"{path} holds no conversation with an assistant message; nothing to train on")
+    return samples

@@ -1,0 +1,109 @@
+"""The trainer ranks as Ray actors: one ``TrainWorker`` per rank, and a group object whose async
+methods fan each call out to every rank (splitting the samples by tokens) and gather the answers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+import torch
+from torch import Tensor
+
+from instar.config import RLConfig, SFTConfig
+from instar.contract import Sample
+from instar.train.batch import Extras, shard_samples
+from instar.train.launch import free_port
+from instar.train.worker import LossFn, TrainWorker, ValueLossFn
+
+
+class _Rank(TrainWorker):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if "OMP_NUM_THREADS" in os.environ:  # Ray workers ignore it for torch's intra-op pool otherwise
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        super().__init__(*args, **kwargs)
+
+    def address(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), free_port()
+
+
+class TrainerGroup:
+    def __init__(self, ranks: list[Any]) -> None:
+        self.ranks = ranks
+
+    @classmethod
+    async def start(cls, cfg: RLConfig | SFTConfig, ref_path: str | None = None, critic: bool = False) -> TrainerGroup:
+        """Start ``--fsdp.num_ranks`` actors (one GPU each when the cluster has GPUs), join them into
+        one process group rooted at rank 0's node, load and shard the models."""
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
+        actor = ray.remote(num_cpus=0, num_gpus=gpus)(_Rank)
+        critic_cfg = getattr(cfg, "critic", None) if critic else None
+        ranks = [actor.remote(cfg.actor, cfg.fsdp, cfg.train, critic_cfg, ref_path) for _ in range(cfg.fsdp.num_ranks)]
+        addr, port = await ranks[0].address.remote()
+        group = cls(ranks)
+        await group._all("init", *[(r, len(ranks), addr, port) for r in range(len(ranks))])
+        return group
+
+    async def _all(self, method: str, *per_rank: tuple) -> list[Any]:
+        """Call ``method`` on every rank, rank r with ``per_rank[r]`` (or ``per_rank[0]`` for all)."""
+        refs = [getattr(r, method).remote(*(per_rank[i] if len(per_rank) > 1 else per_rank[0] if per_rank else ()))
+                for i, r in enumerate(self.ranks)]
+        return [await ref for ref in refs]
+
+    def _split(self, samples: list[Sample], extras: Extras | None) -> tuple[list[list[int]], list[tuple]]:
+        shards = shard_samples([len(s.token_ids) for s in samples], len(self.ranks))
+        args = [([samples[i] for i in shard], {k: [v[i] for i in shard] for k, v in (extras or {}).items()})
+                for shard in shards]
+        return shards, args
+
+    async def _per_sample(self, method: str, samples: list[Sample], *rest: Any) -> list[Tensor]:
+        shards, args = self._split(samples, None)
+        results = await self._all(method, *[(a[0], *rest) for a in args])
+        out: list[Tensor] = [torch.empty(0)] * len(samples)
+        for shard, values in zip(shards, results):
+            for i, v in zip(shard, values):
+                out[i] = v
+        return out
+
+    async def compute_logprobs(self, samples: list[Sample], temperature: float = 1.0,
+                               model: str = "policy") -> list[Tensor]:
+        """Per-token logprobs of every sample (see ``TrainWorker.compute_logprobs``), in input order."""
+        return await self._per_sample("compute_logprobs", samples, temperature, model)
+
+    async def compute_values(self, samples: list[Sample]) -> list[Tensor]:
+        return await self._per_sample("compute_values", samples)
+
+    async def train_step(self, samples: list[Sample], loss_fn: LossFn, extras: Extras | None = None,
+                         temperature: float = 1.0) -> dict[str, float]:
+        """One policy optimizer step over the whole batch; the metrics are global (rank 0's copy)."""
+        _, args = self._split(samples, extras)
+        return (await self._all("train_step", *[(s, loss_fn, e, temperature) for s, e in args]))[0]
+
+    async def critic_step(self, samples: list[Sample], loss_fn: ValueLossFn,
+                          extras: Extras | None = None) -> dict[str, float]:
+        _, args = self._split(samples, extras)
+        return (await self._all("critic_step", *[(s, loss_fn, e) for s, e in args]))[0]
+
+    async def open_weight_sync(self, master_addr: str, master_port: int, world_size: int,
+                               device: str | None = None) -> None:
+        """Rank 0 joins the weight-sync group; await it together with the engines joining."""
+        await self._all("open_weight_sync", (master_addr, master_port, world_size, device))
+
+    async def send_weights(self, bucket_mb: float = 256.0, dtype: str | None = None) -> dict[str, float]:
+        """Broadcast the policy to the engines (await together with their receive); rank 0's stats."""
+        return (await self._all("send_weights", (bucket_mb, dtype)))[0]
+
+    async def save(self, root: str, extra: dict[str, Any] | None = None, max_num: int = 0) -> str:
+        return (await self._all("save", (root, extra, max_num)))[0]
+
+    async def load(self, path: str) -> dict[str, Any]:
+        return (await self._all("load", (path,)))[0]
+
+    async def export_hf(self, out_dir: str) -> str:
+        return (await self._all("export_hf", (out_dir,)))[0]
+
+    async def shutdown(self) -> None:
+        await self._all("shutdown")
+        for r in self.ranks:
+            ray.kill(r)

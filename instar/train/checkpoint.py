@@ -1,0 +1,131 @@
+"""Resumable checkpoints: sharded model + optimizer state (torch.distributed.checkpoint), the
+caller's metadata (scheduler, step, and an ``extra`` dict: data ledger, loader position, KL
+controller, pending rollouts) and every rank's RNG states.
+
+Atomic: everything is written into ``step_N.tmp`` and renamed to ``step_N`` only when complete, so
+a save killed at any point leaves nothing that ``latest`` would pick up. Call every function on
+every trainer rank.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.optim import Optimizer
+
+Stateful = dict[str, tuple[nn.Module, Optimizer | None]]
+"""Named (model, optimizer) pairs saved as shards: e.g. {"policy": (model, opt), "critic": ...}."""
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def latest(root: str) -> str | None:
+    """The newest complete checkpoint under ``root`` (``step_N`` with its metadata), or None.
+    ``step_N.tmp`` directories are interrupted saves and never count."""
+    if not os.path.isdir(root):
+        return None
+    steps = [int(m.group(1)) for d in os.listdir(root) if (m := _STEP_DIR.match(d))
+             and os.path.isfile(os.path.join(root, d, "meta.pt"))]
+    return os.path.join(root, f"step_{max(steps)}") if steps else None
+
+
+def save(root: str, step: int, models: Stateful, meta: dict[str, Any], max_num: int = 0) -> str:
+    """Write checkpoint ``root/step_{step}`` and prune to the newest ``max_num`` (0 keeps all).
+    ``meta`` (rank 0's) must be picklable; it comes back from ``load``."""
+    final = os.path.join(root, f"step_{step}")
+    tmp = final + ".tmp"
+    rank = _rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save that died
+        os.makedirs(tmp)
+    _barrier()
+    dcp.save(_sharded_state(models), checkpoint_id=tmp)
+    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    if rank == 0:
+        torch.save({"step": step, "world_size": _world(), **meta}, os.path.join(tmp, "meta.pt"))
+    _barrier()  # every rank's files are in tmp before it becomes visible
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)  # re-saving the same step after a resume
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        if max_num > 0:
+            _prune(root, max_num)
+    _barrier()
+    return final
+
+
+def load(path: str, models: Stateful) -> dict[str, Any]:
+    """Restore shards into ``models`` (already built and sharded the same way) and this rank's RNG
+    states; returns the metadata given to ``save``."""
+    meta = torch.load(os.path.join(path, "meta.pt"), weights_only=False)
+    if meta["world_size"] != _world():
+        raise ValueError(f"checkpoint {path} was saved by {meta['world_size']} ranks but {_world()} are running; "
+                         "resume with the same --fsdp.num_ranks")
+    state = _sharded_state(models)
+    dcp.load(state, checkpoint_id=path)
+    for name, (model, optimizer) in models.items():
+        if optimizer is None:
+            set_state_dict(model, (), model_state_dict=state[name]["model"], optim_state_dict={})
+        else:
+            set_state_dict(model, optimizer, model_state_dict=state[name]["model"],
+                           optim_state_dict=state[name]["optim"])
+    _set_rng_state(torch.load(os.path.join(path, f"rng_rank{_rank()}.pt"), weights_only=False))
+    return meta
+
+
+def _sharded_state(models: Stateful) -> dict[str, Any]:
+    state = {}
+    for name, (model, optimizer) in models.items():
+        msd, osd = get_state_dict(model, optimizer if optimizer is not None else ())
+        state[name] = {"model": msd} if optimizer is None else {"model": msd, "optim": osd}
+    return state
+
+
+def _prune(root: str, max_num: int) -> None:
+    steps = sorted(int(m.group(1)) for d in os.listdir(root) if (m := _STEP_DIR.match(d)))
+    for s in steps[:-max_num]:
+        shutil.rmtree(os.path.join(root, f"step_{s}"), ignore_errors=True)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -1,0 +1,64 @@
+"""Run a function on N trainer ranks as plain local processes (no Ray): used by `instar sft` and by
+tests. Each rank gets ``(rank, world_size, master_port, *args)`` and its return value comes back."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    result = fn(rank, world_size, port, *args)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _wait_all(procs: list, timeout: float) -> None:
+    """Return when every rank exited cleanly; raise as soon as one fails (the others would otherwise
+    wait in a collective until the process-group timeout) or the time is up."""
+    deadline = time.monotonic() + timeout
+    running = dict(enumerate(procs))
+    while running:
+        ready = wait([p.sentinel for p in running.values()], timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise TimeoutError(f"trainer ranks {sorted(running)} did not finish within {timeout:.0f} s")
+        for r, p in list(running.items()):
+            if p.sentinel in ready:
+                p.join()
+                del running[r]
+                if p.exitcode != 0:
+                    raise RuntimeError(f"trainer rank {r} of {len(procs)} failed (exit code {p.exitcode}); "
+                                       "its traceback is on stderr above")
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0) -> list[Any]:
+    """Start ``world_size`` spawned processes running ``fn`` (a module-level function), wait for all,
+    and return their results in rank order. A failing or hanging rank raises, naming its rank."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, out_dir)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        try:
+            _wait_all(procs, timeout)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -1,0 +1,95 @@
+"""What the trainer computes: HF models loaded from a checkpoint directory, a value model for the
+critic, and per-token logprobs of packed micro-batches. Nothing here knows about sharding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_model(path: str, dtype: str = "float32", backend: str = "hf") -> nn.Module:
+    """A causal LM from an HF checkpoint directory, in train mode. ``backend="automodel"`` loads it
+    with NVIDIA NeMo AutoModel (GPU, optional) instead of transformers."""
+    if backend == "automodel":
+        try:
+            from nemo_automodel import NeMoAutoModelForCausalLM
+        except ImportError as e:
+            raise ImportError("--actor.model_backend automodel needs NVIDIA NeMo AutoModel (pip install "
+                              "nemo_automodel) on a GPU machine; use --actor.model_backend hf otherwise") from e
+        model = NeMoAutoModelForCausalLM.from_pretrained(path, torch_dtype=DTYPES[dtype])
+    elif backend == "hf":
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    else:
+        raise ValueError(f"unknown model backend {backend!r}; use 'hf' or 'automodel'")
+    model.config.use_cache = False  # training never decodes; a KV cache would only cost memory
+    return model.train()
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+class ValueModel(nn.Module):
+    """The critic: an HF decoder trunk with a linear value head; ``forward`` returns one value per
+    position, ``[1, N]`` for a packed row."""
+
+    def __init__(self, trunk: nn.Module) -> None:
+        super().__init__()
+        self.trunk = trunk
+        self.value_head = nn.Linear(trunk.config.hidden_size, 1, bias=False, dtype=trunk.dtype)
+        nn.init.zeros_(self.value_head.weight)  # values start at 0, so early GAE equals Monte-Carlo returns
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.trunk(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        return self.value_head(hidden).float().sum(-1)  # not squeeze: FSDP warns on a view as module output
+
+
+def load_value_model(path: str, dtype: str = "float32") -> ValueModel:
+    from transformers import AutoModel
+    trunk = AutoModel.from_pretrained(path, dtype=DTYPES[dtype])
+    trunk.config.use_cache = False
+    return ValueModel(trunk).train()
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of any HF model (the classes it names in ``_no_split_modules``), in
+    order: the unit that FSDP shards and activation checkpointing recomputes."""
+    names: set[str] = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"found no decoder layers in {type(model).__name__} (no _no_split_modules classes); "
+                         "only HF transformers models are supported")
+    return layers
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """HF's own per-layer recompute: parameter names stay unchanged (a wrapper module would add a
+    prefix that checkpoints and the weight sync would then have to strip)."""
+    hf = [m for m in model.modules() if hasattr(m, "gradient_checkpointing_enable")]
+    hf[0].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def forward_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Logits of a packed row ``[1, N]``. Sequences are separated by ``position_ids`` restarting at 0:
+    with no attention mask and no KV cache, transformers builds a block-diagonal causal mask from them."""
+    return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+
+def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
+                        with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per position t of the row: logprob of token t+1 under the logits at t (and the entropy of that
+    distribution). The last position (no next token) and sequence ends are garbage the caller drops."""
+    logp = torch.log_softmax(logits[0].float() / temperature, dim=-1)
+    target = torch.roll(input_ids[0], -1)
+    token_logp = logp.gather(-1, target[:, None]).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
+    return token_logp, entropy

@@ -1,0 +1,107 @@
+"""`instar sft`: supervised fine-tuning with the same loading, sharding, packing, checkpoint and
+export path as RL; the loss is the token-mean NLL of assistant tokens over the whole batch."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from instar.config import SFTConfig
+from instar.contract import Sample
+from instar.data.sft import load_sft_samples
+from instar.train import checkpoint
+from instar.train.batch import shard_samples
+from instar.train.launch import free_port, run_ranks
+from instar.train.model import load_tokenizer
+from instar.train.parallel import all_reduce
+from instar.train.worker import TrainWorker
+
+
+def sft_loss(logprobs: Tensor, entropy: Tensor, fields: dict[str, Tensor]) -> tuple[Tensor, dict[str, Any]]:
+    """This micro-batch's share of the mean NLL over all assistant tokens of the step."""
+    nll = -torch.where(fields["action_mask"], logprobs, 0).sum()
+    return nll / fields["global_num_action_tokens"], {}
+
+
+def run_sft(cfg: SFTConfig) -> dict[str, float]:
+    """Fine-tune ``--actor.model_name_or_path`` on ``--sft.dataset``; writes ``metrics.jsonl``,
+    checkpoints and the final HF export (``hf/``) into ``--ckpt.output_dir``. Returns the last
+    step's metrics. One rank runs in this process; more are spawned locally."""
+    if cfg.sft.batch_size < cfg.fsdp.num_ranks:
+        raise ValueError(f"--sft.batch_size {cfg.sft.batch_size} must be >= --fsdp.num_ranks {cfg.fsdp.num_ranks}")
+    if cfg.fsdp.num_ranks == 1:
+        return _sft_rank(0, 1, free_port(), cfg)
+    return run_ranks(_sft_rank, cfg.fsdp.num_ranks, cfg)[0]
+
+
+def _split(samples: list[Sample], fraction: float, seed: int) -> tuple[list[Sample], list[Sample]]:
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    n_eval = int(round(len(samples) * fraction))
+    return [samples[i] for i in order[n_eval:]], [samples[i] for i in order[:n_eval]]
+
+
+def _mine(samples: list[Sample], rank: int, world: int) -> list[Sample]:
+    return [samples[i] for i in shard_samples([len(s.token_ids) for s in samples], world)[rank]]
+
+
+def eval_loss(worker: TrainWorker, samples: list[Sample]) -> float:
+    """Mean NLL per assistant token of ``samples`` (this rank's share), over all ranks."""
+    logprobs = worker.compute_logprobs(samples)
+    nll = sum(-(lp * torch.tensor(s.action_mask)).sum().item() for s, lp in zip(samples, logprobs))
+    total, count = all_reduce([nll, sum(s.num_actions for s in samples)])
+    return total / count
+
+
+def _sft_rank(rank: int, world: int, port: int, cfg: SFTConfig) -> dict[str, float]:
+    tokenizer = load_tokenizer(cfg.actor.model_name_or_path)
+    samples = load_sft_samples(cfg.sft.dataset, tokenizer, cfg.sft.messages_key, cfg.sft.max_len)
+    train, held_out = _split(samples, cfg.sft.eval_fraction, cfg.actor.seed)
+    steps_per_epoch = len(train) // cfg.sft.batch_size  # the incomplete last batch is dropped
+    if steps_per_epoch == 0:
+        raise ValueError(f"{len(train)} training conversations cannot fill one --sft.batch_size {cfg.sft.batch_size}")
+    total = cfg.sft.epochs * steps_per_epoch
+    worker = TrainWorker(cfg.actor, cfg.fsdp, replace(cfg.train, max_steps=total))
+    worker.init(rank, world, "127.0.0.1", port)
+    ckpt_dir, out = os.path.join(cfg.ckpt.output_dir, "checkpoints"), cfg.ckpt.output_dir
+    start = 0
+    if cfg.ckpt.load_enable and (path := checkpoint.latest(ckpt_dir)):
+        start = worker.load(path)["step"]
+    held_out = _mine(held_out, rank, world) if len(held_out) >= world else []
+    metrics: dict[str, float] = {}
+    if held_out and start == 0:
+        _log(out, rank, {"step": 0, "eval/loss": eval_loss(worker, held_out)})
+    try:
+        for step in range(start, total):
+            epoch, k = divmod(step, steps_per_epoch)
+            order = list(range(len(train)))
+            random.Random(cfg.actor.seed + epoch).shuffle(order)
+            batch = [train[i] for i in order[k * cfg.sft.batch_size:(k + 1) * cfg.sft.batch_size]]
+            metrics = {"step": step + 1, "epoch": epoch, **worker.train_step(_mine(batch, rank, world), sft_loss)}
+            last = step + 1 == total
+            if held_out and (last or (cfg.sft.eval_steps and (step + 1) % cfg.sft.eval_steps == 0)):
+                metrics["eval/loss"] = eval_loss(worker, held_out)
+            _log(out, rank, metrics)
+            if (cfg.ckpt.save_steps and (step + 1) % cfg.ckpt.save_steps == 0) or (last and cfg.ckpt.save_steps == 0):
+                worker.save(ckpt_dir, {"step": step + 1}, cfg.ckpt.max_num)
+            if cfg.ckpt.hf_save_steps and (step + 1) % cfg.ckpt.hf_save_steps == 0 and not last:
+                worker.export_hf(os.path.join(out, "hf_steps", f"step_{step + 1}"))
+        worker.export_hf(os.path.join(out, "hf"))
+    finally:
+        worker.shutdown()
+    return metrics
+
+
+def _log(out_dir: str, rank: int, metrics: dict[str, float]) -> None:
+    if rank != 0:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({k: v for k, v in metrics.items() if math.isfinite(v)}) + "\n")

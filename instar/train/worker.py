@@ -1,0 +1,227 @@
+"""One trainer rank: a plain class (no Ray) that owns the sharded policy, its optimizer and schedule,
+the optional frozen reference and the optional critic, and does everything a step needs.
+
+Every public method is collective: call it on all ranks at once, each with its own share of the
+samples (``batch.shard_samples``). ``runtime/trainer_group.py`` wraps this class in Ray actors;
+tests drive it from plain processes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from instar.config import ActorConfig, CriticConfig, FSDPConfig, TrainConfig
+from instar.contract import Sample
+from instar.train import checkpoint, weight_sync
+from instar.train.batch import Extras, MicroBatch, collate, plan_micro_batches
+from instar.train.model import forward_logits, load_model, load_tokenizer, load_value_model, next_token_logprobs
+from instar.train.moe import freeze_routers, replay_routes
+from instar.train.optim import build_optimizer, build_scheduler
+from instar.train.parallel import all_reduce, apply_fsdp, build_mesh, device_type, init_distributed
+
+LossFn = Callable[[Tensor, Tensor, dict[str, Tensor]], tuple[Tensor, dict[str, Any]]]
+"""Policy loss: ``(logprobs [B,T], entropy [B,T], micro_batch fields) -> (loss, metrics)``. The loss is
+this micro-batch's share of the global token mean (sum / ``fields["global_num_action_tokens"]``);
+metrics are shares too: they are summed over micro-batches and ranks."""
+ValueLossFn = Callable[[Tensor, dict[str, Tensor]], tuple[Tensor, dict[str, Any]]]
+"""Critic loss: ``(values [B,T], micro_batch fields) -> (loss, metrics)``, with the same share rule."""
+
+
+class TrainWorker:
+    def __init__(self, actor: ActorConfig, fsdp: FSDPConfig, train: TrainConfig,
+                 critic: CriticConfig | None = None, ref_path: str | None = None) -> None:
+        self.actor, self.fsdp, self.train, self.critic_cfg, self.ref_path = actor, fsdp, train, critic, ref_path
+        self.step = 0
+        self.sync_group: weight_sync.SyncGroup | None = None
+
+    def init(self, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+        """Join the process group, load and shard the models, build optimizers."""
+        init_distributed(rank, world_size, master_addr, master_port)
+        self.rank, self.world_size, self.device = rank, world_size, device_type()
+        torch.manual_seed(self.actor.seed)
+        mesh = build_mesh(self.fsdp)
+        a = self.actor
+        self.policy = load_model(a.model_name_or_path, a.dtype, a.model_backend)
+        if a.freeze_moe_router:
+            freeze_routers(self.policy)
+        apply_fsdp(self.policy, mesh, self.fsdp)
+        self.optimizer = build_optimizer(self.policy, a.learning_rate, a.adam_betas, a.weight_decay)
+        self.scheduler = build_scheduler(self.optimizer, a.lr_warmup_steps, self.train.max_steps, a.lr_scheduler)
+        self.ref = None
+        if self.ref_path:
+            self.ref = load_model(self.ref_path, a.dtype, a.model_backend).requires_grad_(False)
+            apply_fsdp(self.ref, mesh, self.fsdp)
+        self.critic = None
+        if self.critic_cfg is not None:
+            self.critic = load_value_model(self.critic_cfg.model_name_or_path or a.model_name_or_path, a.dtype)
+            apply_fsdp(self.critic, mesh, self.fsdp)
+            self.critic_optimizer = build_optimizer(self.critic, self.critic_cfg.learning_rate, a.adam_betas,
+                                                    a.weight_decay)
+            self.critic_scheduler = build_scheduler(self.critic_optimizer, a.lr_warmup_steps, self.train.max_steps,
+                                                    a.lr_scheduler)
+
+    # ---- forward passes -------------------------------------------------------------------------
+
+    def _micro_batches(self, samples: list[Sample], extras: Extras | None) -> Iterator[tuple[MicroBatch, bool]]:
+        """Packed micro-batches, padded with repeats (flagged ``True``) to the largest count on any
+        rank: FSDP gathers parameters collectively, so every rank must run as many passes."""
+        plan = plan_micro_batches([len(s.token_ids) for s in samples], self.train.max_tokens_per_gpu)
+        if not plan:
+            raise ValueError(f"trainer rank {self.rank} got no samples; give every rank at least one")
+        count = int(all_reduce([len(plan)], op="max")[0])
+        for k in range(count):
+            yield collate(samples, plan[min(k, len(plan) - 1)], extras, self.device), k >= len(plan)
+
+    def _replay(self, model: nn.Module, mb: MicroBatch):
+        if not self.train.routing_replay or model is not self.policy:
+            return nullcontext()
+        if mb.routed_experts is None:
+            raise ValueError("--train.routing_replay is on but some samples carry no routed_experts; "
+                             "the engine must record them for every sample (or turn routing replay off)")
+        return replay_routes(model, mb.routed_experts)
+
+    @torch.no_grad()
+    def compute_logprobs(self, samples: list[Sample], temperature: float = 1.0, model: str = "policy") -> list[Tensor]:
+        """Per sample, a float32 tensor aligned with its token_ids: logprob of each token given the
+        tokens before it (index 0 holds 0). ``model``: "policy" or "ref"."""
+        net = self.policy if model == "policy" else self.ref
+        if net is None:
+            raise ValueError("no reference model loaded; start the trainer with a ref_path "
+                             "(--algo.kl.coef > 0 or on_policy_distill)")
+        out: list[Tensor] = [torch.empty(0)] * len(samples)
+        for mb, repeat in self._micro_batches(samples, None):
+            with self._replay(net, mb):
+                logits = forward_logits(net, mb.input_ids, mb.position_ids)
+            logp, _ = next_token_logprobs(logits, mb.input_ids, temperature, with_entropy=False)
+            if not repeat:
+                for i, lp in zip(mb.indices, mb.split(mb.unpack(logp))):
+                    out[i] = lp
+        return out
+
+    @torch.no_grad()
+    def compute_values(self, samples: list[Sample]) -> list[Tensor]:
+        """Critic values per sample, aligned like logprobs: index t is V(tokens before t)."""
+        out: list[Tensor] = [torch.empty(0)] * len(samples)
+        for mb, repeat in self._micro_batches(samples, None):
+            values = self.critic(mb.input_ids, mb.position_ids)[0]
+            if not repeat:
+                for i, v in zip(mb.indices, mb.split(mb.unpack(values))):
+                    out[i] = v
+        return out
+
+    # ---- optimizer steps ------------------------------------------------------------------------
+
+    def train_step(self, samples: list[Sample], loss_fn: LossFn, extras: Extras | None = None,
+                   temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step of the policy on this rank's samples; returns global metrics."""
+        def loss_of(mb: MicroBatch) -> tuple[Tensor, dict[str, Any]]:
+            logits = forward_logits(self.policy, mb.input_ids, mb.position_ids)
+            logp, entropy = next_token_logprobs(logits, mb.input_ids, temperature)
+            return loss_fn(mb.unpack(logp), mb.unpack(entropy), mb.fields)
+        return self._step(self.policy, self.optimizer, self.scheduler, samples, extras, loss_of, "actor")
+
+    def critic_step(self, samples: list[Sample], loss_fn: ValueLossFn,
+                    extras: Extras | None = None) -> dict[str, float]:
+        """One optimizer step of the critic (extras: old_values, returns); returns global metrics."""
+        def loss_of(mb: MicroBatch) -> tuple[Tensor, dict[str, Any]]:
+            return loss_fn(mb.unpack(self.critic(mb.input_ids, mb.position_ids)[0]), mb.fields)
+        return self._step(self.critic, self.critic_optimizer, self.critic_scheduler, samples, extras, loss_of, "critic")
+
+    def _step(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, samples: list[Sample],
+              extras: Extras | None, loss_of: Callable, prefix: str) -> dict[str, float]:
+        start = time.perf_counter()
+        global_tokens = all_reduce([sum(s.num_actions for s in samples)])[0]
+        optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        passes = 0
+        for mb, repeat in self._micro_batches(samples, extras):
+            mb.fields["global_num_action_tokens"] = torch.tensor(global_tokens, device=self.device)
+            with self._replay(model, mb):
+                loss, metrics = loss_of(mb)
+                # FSDP averages gradients over ranks, but each rank's loss is already its share of the
+                # global token sum: scale by world size so the reduced gradient is the global mean's.
+                (loss * (0.0 if repeat else float(self.world_size))).backward()
+            if not repeat:
+                passes += 1
+                for k, v in {"loss": loss, **metrics}.items():
+                    sums[k] = sums.get(k, 0.0) + float(v.detach() if isinstance(v, Tensor) else v)
+        clip = self.actor.max_grad_norm if self.actor.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        if model is self.policy:
+            self.step += 1
+        names = sorted(sums)
+        totals = all_reduce([sums[k] for k in names] + [passes, len(samples)])
+        out = {f"{prefix}/{k}": v for k, v in zip(names, totals)}
+        out.update({f"{prefix}/grad_norm": float(grad_norm), f"{prefix}/lr": lr,
+                    f"{prefix}/micro_batches": totals[-2], f"{prefix}/samples": totals[-1],
+                    f"{prefix}/action_tokens": global_tokens, f"{prefix}/step_time": time.perf_counter() - start})
+        return out
+
+    # ---- weight sync, checkpoints, export --------------------------------------------------------
+
+    def open_weight_sync(self, master_addr: str, master_port: int, world_size: int, device: str | None = None) -> None:
+        """Trainer rank 0 joins (and hosts) the weight-sync group as its rank 0; other ranks do nothing.
+        ``device``: "cuda" (NCCL, default on GPU) or "cpu" (gloo: CPU, or engines sharing the GPU)."""
+        if self.rank == 0:
+            self.sync_group = weight_sync.open_sync_group(master_addr, master_port, 0, world_size,
+                                                          device or self.device)
+
+    def send_weights(self, bucket_mb: float = 256.0, dtype: str | None = None) -> dict[str, float]:
+        """Broadcast the policy's full weights (HF names) to the engines; collective over trainer ranks.
+        Pausing the engines and bumping their version is the caller's side of the protocol."""
+        cast = getattr(torch, dtype) if dtype else None
+        return weight_sync.send_weights(self.policy.named_parameters(), self.sync_group, bucket_mb, dtype=cast)
+
+    def save(self, root: str, extra: dict[str, Any] | None = None, max_num: int = 0) -> str:
+        meta = {"scheduler": self.scheduler.state_dict(), "policy_step": self.step, "extra": extra or {}}
+        if self.critic is not None:
+            meta["critic_scheduler"] = self.critic_scheduler.state_dict()
+        return checkpoint.save(root, self.step, self._stateful(), meta, max_num)
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Restore a checkpoint; returns the ``extra`` dict given to ``save``."""
+        meta = checkpoint.load(path, self._stateful())
+        self.scheduler.load_state_dict(meta["scheduler"])
+        if self.critic is not None:
+            self.critic_scheduler.load_state_dict(meta["critic_scheduler"])
+        self.step = meta["policy_step"]
+        return meta["extra"]
+
+    def _stateful(self) -> checkpoint.Stateful:
+        models = {"policy": (self.policy, self.optimizer)}
+        if self.critic is not None:
+            models["critic"] = (self.critic, self.critic_optimizer)
+        return models
+
+    def export_hf(self, out_dir: str) -> str:
+        """Write the policy as an HF checkpoint (``save_pretrained`` + tokenizer), loadable by
+        transformers and vLLM; atomic like checkpoints. Collective; rank 0 writes."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        full = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            tmp = out_dir.rstrip("/") + ".tmp"
+            self.policy.save_pretrained(tmp, state_dict=full)
+            load_tokenizer(self.actor.model_name_or_path).save_pretrained(tmp)
+            if os.path.isdir(out_dir):
+                import shutil
+                shutil.rmtree(out_dir)
+            os.replace(tmp, out_dir)
+        if self.world_size > 1:
+            dist.barrier()
+        return out_dir
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,61 @@
+"""The trainer ranks as a 2-rank Ray actor group: calls fan out, samples come back in input order."""
+
+import asyncio
+from functools import partial
+
+import pytest
+import ray
+import torch
+from transformers import AutoModelForCausalLM
+
+from instar.config import ActorConfig, FSDPConfig, RLConfig, TrainConfig
+from instar.contract import Sample
+from instar.runtime.batching import rl_loss
+from instar.runtime.trainer_group import TrainerGroup
+from instar.train import checkpoint
+
+
+@pytest.fixture
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _sample(n: int, seed: int) -> Sample:
+    ids = torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return Sample(ids, [0] * 2 + [1] * (n - 2), [0.0] * 2 + [-1.0] * (n - 2), [-1] * 2 + [0] * (n - 2))
+
+
+@pytest.mark.slow
+def test_two_rank_ray_group(ray_cluster, tiny_model_dir, tmp_path):
+    cfg = RLConfig(actor=ActorConfig(model_name_or_path=str(tiny_model_dir), learning_rate=1e-3),
+                   fsdp=FSDPConfig(num_ranks=2), train=TrainConfig(max_tokens_per_gpu=16))
+    samples = [_sample(n, i) for i, n in enumerate([9, 4, 12, 6, 5])]
+
+    async def run():
+        group = await TrainerGroup.start(cfg)
+        try:
+            logprobs = await group.compute_logprobs(samples)
+            extras = {"advantages": [torch.full((len(s.token_ids),), 1.0) for s in samples], "old_logprobs": logprobs}
+            metrics = await group.train_step(samples, partial(rl_loss, cfg, 0.0), extras)
+            path = await group.save(str(tmp_path), {"data_position": 5}, 2)
+            extra = await group.load(path)
+        finally:
+            await group.shutdown()
+        return logprobs, metrics, path, extra
+
+    logprobs, metrics, path, extra = asyncio.run(run())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    for s, lp in zip(samples, logprobs):
+        ids = torch.tensor([s.token_ids])
+        with torch.no_grad():
+            ref = torch.log_softmax(model(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+        torch.testing.assert_close(lp[1:], ref, atol=1e-5, rtol=0)
+    assert metrics["actor/samples"] == 5 and metrics["actor/action_tokens"] == 26
+    assert extra == {"data_position": 5} and checkpoint.latest(str(tmp_path)) == path
+    assert sorted(p.name for p in (tmp_path / "step_1").iterdir() if p.name.startswith("rng")) == [
+        "rng_rank0.pt", "rng_rank1.pt"]
