@@ -1,0 +1,122 @@
+"""From finished prompt groups to trainer inputs: filtering, per-segment rows, advantages, the loss.
+
+Each trajectory segment is one trainer sample (one row); rows of one trajectory stay adjacent and in
+segment order, as the estimators require.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from instar.algo import AdvantageInputs, compute_advantages, dynamic_filter, policy_loss, value_loss
+from instar.config import RLConfig
+from instar.contract import ContractError, Sample, Trajectory
+from instar.runtime.pool import Group
+
+
+@dataclass
+class Rows:
+    samples: list[Sample]
+    rewards: Tensor  # [B] reward of each row's trajectory
+    group_index: Tensor  # [B]
+    traj_index: Tensor  # [B]
+    trajectories: list[Trajectory]
+
+
+def select(groups: list[Group], cfg: RLConfig) -> tuple[list[Group], dict[str, float]]:
+    """Drop invalid trajectories and empty groups (counted by reason), then apply the dynamic filter."""
+    dropped: Counter[str] = Counter()
+    kept = []
+    for g in groups:
+        valid = []
+        for t in g.trajectories:
+            try:
+                t.validate()  # the invariant check on every batch, in the driver too
+                valid.append(t)
+            except ContractError:
+                dropped["invalid"] += 1
+        g.trajectories = valid
+        if valid:
+            kept.append(g)
+        else:
+            dropped["empty_group"] += 1
+    metrics = {f"dropped/{k}": float(v) for k, v in dropped.items()}
+    if cfg.algo.dynamic_filter is not None and kept:
+        scores = torch.tensor([_score(t) for g in kept for t in g.trajectories])
+        index = torch.tensor([k for k, g in enumerate(kept) for _ in g.trajectories])
+        keep, pass_rate = dynamic_filter(scores, index, cfg.algo.dynamic_filter)
+        kept = [g for k, g in enumerate(kept) if keep[index == k].all()]
+        metrics["dynamic_filter/pass_rate"] = pass_rate
+    return kept, metrics
+
+
+def to_rows(groups: list[Group]) -> Rows:
+    samples, rewards, group_index, traj_index, trajs = [], [], [], [], []
+    for gi, g in enumerate(groups):
+        for t in g.trajectories:
+            for seg in t.segments:
+                samples.append(seg)
+                rewards.append(t.reward)
+                group_index.append(gi)
+                traj_index.append(len(trajs))
+            trajs.append(t)
+    return Rows(samples, torch.tensor(rewards, dtype=torch.float32), torch.tensor(group_index),
+                torch.tensor(traj_index), trajs)
+
+
+def pad(per_sample: list[Tensor]) -> Tensor:
+    out = torch.zeros(len(per_sample), max(len(x) for x in per_sample))
+    for b, x in enumerate(per_sample):
+        out[b, : len(x)] = x
+    return out
+
+
+def advantages(cfg: RLConfig, rows: Rows, old_logprobs: list[Tensor], ref_logprobs: list[Tensor] | None,
+               values: list[Tensor] | None, kl_coef: float) -> tuple[list[Tensor], list[Tensor] | None, dict]:
+    """Per-sample advantages (and gae returns), cut back to each sample's length."""
+    mask = pad([torch.tensor(s.action_mask, dtype=torch.float32) for s in rows.samples]).bool()
+    x = AdvantageInputs(action_mask=mask, rewards=rows.rewards, group_index=rows.group_index,
+                        traj_index=rows.traj_index, old_logprobs=pad(old_logprobs),
+                        ref_logprobs=pad(ref_logprobs) if ref_logprobs else None,
+                        values=pad(values) if values else None, kl_coef=kl_coef)
+    adv, returns, metrics = compute_advantages(cfg.algo, x)
+    lengths = [len(s.token_ids) for s in rows.samples]
+    cut = [adv[b, :n] for b, n in enumerate(lengths)]
+    return cut, ([returns[b, :n] for b, n in enumerate(lengths)] if returns is not None else None), metrics
+
+
+def rl_loss(cfg: RLConfig, kl_coef: float, logprobs: Tensor, entropy: Tensor,
+            fields: dict[str, Tensor]) -> tuple[Tensor, dict]:
+    """The trainer's per-micro-batch loss (see `instar.train.worker.LossFn`)."""
+    return policy_loss(cfg, logprobs, fields["old_logprobs"], fields["rollout_logprobs"], fields["advantages"],
+                       fields["action_mask"], entropy=entropy, ref_logprobs=fields.get("ref_logprobs"),
+                       kl_coef=kl_coef, global_num_tokens=fields["global_num_action_tokens"])
+
+
+def critic_loss(cfg: RLConfig, values: Tensor, fields: dict[str, Tensor]) -> tuple[Tensor, dict]:
+    """The trainer's per-micro-batch critic loss (see `instar.train.worker.ValueLossFn`)."""
+    return value_loss(values, fields["old_values"], fields["returns"], fields["action_mask"],
+                      clip=cfg.critic.value_clip, global_num_tokens=fields["global_num_action_tokens"])
+
+
+def rollout_metrics(trajs: list[Trajectory], policy_version: int) -> dict[str, float]:
+    """Reward, score, length, truncation and staleness of the trained trajectories."""
+    n = max(len(trajs), 1)
+    actions = [sum(s.num_actions for s in t.segments) for t in trajs]
+    staleness = [policy_version - min(v for s in t.segments for v, m in zip(s.versions, s.action_mask) if m)
+                 for t in trajs]
+    out = {"reward": sum(t.reward for t in trajs) / n, "score": sum(_score(t) for t in trajs) / n,
+           "response_length": sum(actions) / n, "truncation_rate": sum(t.truncated for t in trajs) / n,
+           "segments_per_trajectory": sum(len(t.segments) for t in trajs) / n,
+           "staleness_max": float(max(staleness, default=0)), "trajectories": float(len(trajs))}
+    for k, c in Counter(staleness).items():
+        out[f"staleness/{k}"] = c / n
+    return out
+
+
+def _score(t: Trajectory) -> float:
+    return t.reward if t.score is None else t.score

@@ -1,0 +1,120 @@
+"""Everything the loop talks to, placed on Ray: rollout engines, agent runners, trainer ranks, and the
+dedicated weight-sync group from trainer rank 0 to every engine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from functools import partial
+from typing import Any
+
+import ray
+
+from instar.agents.api import Task
+from instar.config import RLConfig
+from instar.contract import SamplingParams
+from instar.data.prompts import load_prompts
+from instar.runtime.agents import AgentActor
+from instar.runtime.batching import critic_loss
+from instar.runtime.engines import EngineActor
+from instar.runtime.trainer_group import TrainerGroup
+
+
+class Cluster:
+    def __init__(self, cfg: RLConfig):
+        self.cfg = cfg
+        adv = cfg.algo.advantage
+        self.has_ref = cfg.algo.kl.coef > 0 or adv.estimator == "on_policy_distill"
+        self.has_critic = adv.estimator == "gae"
+
+    async def __aenter__(self) -> Cluster:
+        self.engines, self.agents, self.trainer = [], [], None
+        try:
+            return await self._start()
+        except BaseException:
+            await self.__aexit__()
+            raise
+
+    async def _start(self) -> Cluster:
+        cfg = self.cfg
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
+            ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=True,
+                     runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
+                     **({} if cfg.ray.address else {"num_cpus": os.cpu_count() or 1}))
+        model = cfg.actor.model_name_or_path
+        replay = bool(cfg.train.rollout_replay_dir)  # training from a dump: no engines, no agents
+        gpu = ray.cluster_resources().get("GPU", 0) > 0
+        vllm, tp = cfg.rollout.engine == "vllm", cfg.vllm.tensor_parallel_size
+        if vllm:
+            from instar.engines.vllm import check_engine_config
+
+            check_engine_config(cfg.vllm, "cuda" if gpu else "cpu", cfg.train.routing_replay)
+        per_engine = tp if vllm else 1  # weight-sync ranks per engine: one per tensor-parallel worker
+        actor = EngineActor.options(num_cpus=0, num_gpus=1 if vllm and gpu and tp == 1 else 0)
+        self.engines = [] if replay else [actor.remote(model, cfg.rollout.engine, cfg.vllm, cfg.train.routing_replay)
+                                          for _ in range(cfg.vllm.num_engines)]
+        self.agents = [] if replay else [AgentActor.options(num_cpus=0).remote(
+            cfg.train.agent_path, model, self.engines, max_len=cfg.data.max_len,
+            max_new_tokens=cfg.data.max_new_tokens, agent_timeout=cfg.train.agent_timeout,
+            system_prompt=cfg.data.system_prompt) for _ in range(cfg.rollout.num_agent_runners)]
+        self.trainer = await TrainerGroup.start(cfg, ref_path=(cfg.actor.ref_model_name_or_path or model)
+                                                if self.has_ref else None, critic=self.has_critic)
+        if self.engines:  # the group's store lives on trainer rank 0's node, at a port free there
+            addr, port = await self.trainer.ranks[0].address.remote()
+            world = 1 + len(self.engines) * per_engine
+            device = "cuda" if gpu and vllm else "cpu"  # NCCL only between GPU trainer and GPU engines
+            await asyncio.gather(self.trainer.open_weight_sync(addr, port, world, device),
+                                 *(e.join_weight_group.remote(addr, port, 1 + i * per_engine, world, device)
+                                   for i, e in enumerate(self.engines)))
+        return self
+
+    async def sync_weights(self, version: int, keep_in_flight: bool) -> dict[str, float]:
+        """Pause the engines (keeping in-flight requests for partial rollout, else letting them finish),
+        broadcast trainer rank 0's weights to all of them, set their version, resume."""
+        if not self.engines:
+            return {}
+        mode = "keep" if keep_in_flight else "wait"
+        await asyncio.gather(*(e.pause.remote(mode) for e in self.engines))
+        results = await asyncio.gather(self.trainer.send_weights(),
+                                       *(e.receive_weights.remote(version) for e in self.engines))
+        await asyncio.gather(*(e.resume.remote() for e in self.engines))
+        return results[0]
+
+    async def critic_step(self, samples: list, values: list, returns: list) -> dict[str, float]:
+        extras = {"old_values": values, "returns": returns}
+        return await self.trainer.critic_step(samples, partial(critic_loss, self.cfg), extras)
+
+    async def metrics(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for m in await asyncio.gather(*(a.metrics.remote() for a in self.agents)):
+            for k, v in m.items():
+                totals[k] = totals.get(k, 0.0) + v
+        return totals
+
+    async def evaluate(self, cfg: RLConfig, sampling: SamplingParams) -> dict[str, float]:
+        """Accuracy (mean score) and pass@k over --eval.dataset at --eval.temperature, plus greedy accuracy."""
+        prompts = load_prompts(cfg.eval.dataset, cfg.data)
+        out = {}
+        for name, temp, k in (("eval", cfg.eval.temperature, cfg.eval.n_samples), ("eval_greedy", 0.0, 1)):
+            params = sampling.replace(temperature=temp)
+            groups = [[Task(prompt=p.messages, label=p.label, tools=p.tools, prompt_index=p.index, group_id=p.index,
+                            rollout_id=f"{name}-{p.index}-{j}", sampling_params=params) for j in range(k)]
+                      for p in prompts]
+            results = await asyncio.gather(*(self.agents[i % len(self.agents)].run_group.remote(g)
+                                             for i, g in enumerate(groups)))
+            scores = [[t.reward if t.score is None else t.score for t in trajs] for trajs in results]
+            n = sum(len(s) for s in scores)
+            out[f"{name}/accuracy"] = sum(map(sum, scores)) / max(n, 1)
+            out[f"{name}/pass@{k}"] = sum(any(x >= 1.0 for x in s) for s in scores) / len(prompts)
+            out[f"{name}/dropped"] = float(len(prompts) * k - n)
+        return out
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await asyncio.gather(*(a.close.remote() for a in self.agents), *(e.close.remote() for e in self.engines),
+                             return_exceptions=True)
+        if self.trainer is not None:
+            await self.trainer.shutdown()
+        if getattr(self, "started_ray", False):
+            ray.shutdown()
+

@@ -1,0 +1,129 @@
+"""The streaming rollout pool: keeps prompt groups in flight on the agent runners and hands the loop
+a batch as soon as enough groups have finished; unfinished groups carry over to the next step.
+
+Staleness is bounded by how far generation may run ahead: at most `batch_size * (async_queue_size + 1)`
+groups are launched but not yet consumed, so a group is trained at most `async_queue_size` policy
+versions after the one it started under (FIFO). In sync mode the loop refills only after a weight sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from instar.agents.api import Task
+from instar.config import RLConfig
+from instar.contract import SamplingParams, Trajectory, read_jsonl
+from instar.data.prompts import PromptStream
+
+
+@dataclass
+class Group:
+    """One prompt's samples, as they came back (dropped rollouts already removed)."""
+
+    group_id: int
+    epoch: int
+    prompt_index: int
+    launch_version: int
+    trajectories: list[Trajectory] = field(default_factory=list)
+
+
+class RolloutPool:
+    def __init__(self, agents: list[Any], stream: PromptStream, cfg: RLConfig, sampling: SamplingParams):
+        self.agents, self.stream, self.cfg, self.sampling = agents, stream, cfg, sampling
+        self.version = 0  # the policy version new groups start under
+        self.next_group_id = 0
+        self.in_flight: dict[asyncio.Task, Group] = {}
+        self.done: list[Group] = []
+        self.error: BaseException | None = None
+        self.auto_refill = not cfg.train.force_sync_mode
+        r = cfg.rollout
+        self.ahead = r.batch_size if cfg.train.force_sync_mode else r.batch_size * (cfg.train.async_queue_size + 1)
+
+    def fill(self) -> None:
+        """Launch groups up to the in-flight and run-ahead limits."""
+        r = self.cfg.rollout
+        while len(self.in_flight) < r.vllm_generate_batch_size and len(self.in_flight) + len(self.done) < self.ahead:
+            self._launch()
+
+    def _launch(self) -> None:
+        epoch, prompt = self.stream.next()
+        gid = self.next_group_id
+        self.next_group_id += 1
+        tasks = [Task(prompt=prompt.messages, label=prompt.label, tools=prompt.tools, prompt_index=prompt.index,
+                      group_id=gid, rollout_id=f"g{gid}-s{k}", sampling_params=self.sampling)
+                 for k in range(self.cfg.rollout.n_samples_per_prompt)]
+        agent = self.agents[gid % len(self.agents)]
+        group = Group(gid, epoch, prompt.index, self.version)
+        task = asyncio.ensure_future(self._run(agent, tasks))
+        self.in_flight[task] = group
+        task.add_done_callback(self._finished)
+
+    @staticmethod
+    async def _run(agent: Any, tasks: list[Task]) -> list[Trajectory]:
+        return await agent.run_group.remote(tasks)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        group = self.in_flight.pop(task)
+        if task.cancelled():
+            return
+        if task.exception() is not None:  # an agent-actor crash: raised by next_batch, in the loop
+            self.error = task.exception()
+            return
+        group.trajectories = task.result()
+        self.done.append(group)
+        if self.auto_refill:
+            self.fill()
+
+    async def next_batch(self, n: int) -> list[Group]:
+        """Wait until `n` groups have finished; return the oldest `n` (the rest stay for the next step)."""
+        self.fill()
+        while len(self.done) < n:
+            if self.error is not None:
+                raise RuntimeError("an agent runner failed") from self.error
+            if not self.in_flight:
+                raise RuntimeError("rollout pool is empty: no group in flight and too few finished")
+            await asyncio.wait(list(self.in_flight), return_when=asyncio.FIRST_COMPLETED)
+        batch, self.done = self.done[:n], self.done[n:]
+        return batch
+
+    def pending(self) -> list[Group]:
+        """Finished groups not yet trained (saved with checkpoints so none is lost)."""
+        return list(self.done)
+
+    async def close(self) -> None:
+        for task in list(self.in_flight):
+            task.cancel()
+        await asyncio.gather(*self.in_flight, return_exceptions=True)
+
+
+class ReplayPool:
+    """`--train.rollout_replay_dir`: the batches of a rollout dump, step by step, instead of engines."""
+
+    def __init__(self, dump_dir: str, start_step: int = 0):
+        self.files = sorted(Path(dump_dir).glob("step_*.jsonl"))[start_step:]
+        if not self.files:
+            raise FileNotFoundError(f"no step_*.jsonl rollout dumps in {dump_dir!r} (past step {start_step}); "
+                                    "write them with --train.rollout_dump_dir")
+        self.version = start_step
+
+    async def next_batch(self, n: int) -> list[Group]:
+        if not self.files:
+            raise RuntimeError("the rollout dump has no more steps; lower --train.max_steps")
+        groups: dict[int, Group] = {}
+        for t in read_jsonl(str(self.files.pop(0))):
+            # epoch -1: replayed groups are not drawn from the prompt stream, so not entered in its ledger
+            groups.setdefault(t.group_id, Group(t.group_id, -1, t.prompt_index, self.version))
+            groups[t.group_id].trajectories.append(t)
+        return list(groups.values())
+
+    def fill(self) -> None:
+        pass
+
+    def pending(self) -> list[Group]:
+        return []
+
+    async def close(self) -> None:
+        pass
