@@ -7,9 +7,9 @@ export TOKENIZERS_PARALLELISM ?= false
 setup:
 	@bash scripts/setup.sh
 
-# The main job: build a tiny model offline (the RL demo lands here with the loop).
+# The main job: a tiny model learns a calculator tool with SFT + RL on CPU (scripts/demo.sh).
 demo: setup
-	.venv/bin/instar tiny-model --out runs/demo/tiny-model
+	@bash scripts/demo.sh
 
 # Every test, the slow end-to-end ones included; lint first.
 test: setup lint

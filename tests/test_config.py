@@ -111,3 +111,13 @@ def test_off_policy_correction_off_is_fine_when_strictly_sync():
     cfg.algo.advantage.is_correction_level = "off"
     cfg.train.force_sync_mode = True
     check(cfg)
+
+
+def test_flag_reference_is_current():
+    from pathlib import Path
+
+    from instar.cli.flags import reference
+
+    doc = Path(__file__).resolve().parents[1] / "docs/flags.md"
+    assert doc.read_text() == reference(), "docs/flags.md is stale: python -m instar.cli.flags > docs/flags.md"
+    assert "| `--algo.advantage.estimator` | `'grpo'` |" in doc.read_text()

@@ -120,3 +120,15 @@ def test_kill_9_then_resume_trains_every_prompt_exactly_once(tmp_path, tiny_mode
     trained = [(r["epoch"], r["prompt_index"]) for r in rows(tmp_path / "run/ledger.jsonl")
                if r["outcome"] == "trained"]
     assert len(trained) == 10 == len(set(trained))
+
+
+@pytest.mark.parametrize("example", ["openai_tool_agent.py", "math_env.py"])
+def test_examples_train_two_steps(example, tmp_path, tiny_model_dir, prompts):
+    cfg = make_cfg(tmp_path, tiny_model_dir, prompts, **{
+        "train.agent_path": str(ROOT / "examples/agents" / example), "train.max_steps": 2,
+        "train.force_sync_mode": True})
+    run(cfg)
+    metrics = rows(tmp_path / "run/metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["trajectories"] == 8 and m["actor/action_tokens"] > 0 for m in metrics)
+    assert not any(k.startswith("agent/dropped") for m in metrics for k in m)

@@ -27,6 +27,24 @@ class TinyModelArgs(TinySpec):
     """Output directory (an HF checkpoint: config, weights, tokenizer, chat template)."""
 
 
+@dataclasses.dataclass
+class ReportArgs:
+    """`instar report`: curves (PNG), a short HTML page and the before/after eval accuracy of a run."""
+
+    run_dir: str = ""
+    """The run's --ckpt.output_dir (it holds metrics.jsonl)."""
+
+
+def _run_report(args: ReportArgs) -> None:
+    from instar.cli.report import write_report
+
+    png, page, summary = write_report(args.run_dir)
+    for key, value in summary.items():
+        print(f"{key}: {value}")
+    print(f"wrote {png} and {page}")
+    print(f"eval accuracy: before={summary['eval accuracy before']} after={summary['eval accuracy after']}")
+
+
 def _run_rl(cfg: RLConfig) -> None:
     check(cfg)
     from instar.loop import run  # the loop pulls in Ray and torch.distributed; only load it to run
@@ -55,6 +73,7 @@ COMMANDS: dict[str, tuple[type, Callable]] = {
     "rl": (RLConfig, _run_rl),
     "sft": (SFTConfig, _run_sft),
     "tiny-model": (TinyModelArgs, _run_tiny_model),
+    "report": (ReportArgs, _run_report),
 }
 
 

@@ -10,13 +10,15 @@ CURVES = ("reward", "eval/accuracy", "eval_greedy/accuracy")
 TIMES = ("time/generate", "time/logprobs", "time/train", "time/weight_sync", "time/step")
 
 
-def write_report(run_dir: str | Path, title: str = "instar run") -> tuple[Path, Path]:
+def write_report(run_dir: str | Path, title: str = "instar run") -> tuple[Path, Path, dict]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     run = Path(run_dir)
+    if not (run / "metrics.jsonl").is_file():
+        raise FileNotFoundError(f"{run / 'metrics.jsonl'} not found; pass the run's --ckpt.output_dir")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     fig, ax = plt.subplots(figsize=(7, 4))
     for key in CURVES:
@@ -43,7 +45,7 @@ def write_report(run_dir: str | Path, title: str = "instar run") -> tuple[Path, 
     page.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>"
                     f"<body><h1>{html.escape(title)}</h1><img src='curve.png' alt='reward and accuracy curves'>"
                     f"<table>{cells}</table><p>Per-step metrics: metrics.jsonl</p></body></html>\n")
-    return png, page
+    return png, page, summary
 
 
 def _fmt(v: object) -> str:
