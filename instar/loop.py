@@ -97,7 +97,8 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
                 Path(cfg.train.rollout_dump_dir).mkdir(parents=True, exist_ok=True)
                 write_jsonl(f"{cfg.train.rollout_dump_dir}/step_{step:06d}.jsonl", rows.trajectories)
             metrics |= adv_metrics | batching.rollout_metrics(rows.trajectories, step - 1) | await cluster.metrics()
-            metrics |= {"kl_coef": kl.value, "time/generate": t_gen - t0, "time/logprobs": t_logp - t_gen,
+            # trainer_idle: waiting for finished rollouts (generation that did not overlap training)
+            metrics |= {"kl_coef": kl.value, "time/trainer_idle": t_gen - t0, "time/logprobs": t_logp - t_gen,
                         "time/train": t_train - t_logp, "time/weight_sync": t_sync - t_train,
                         "time/step": t_sync - t0,
                         "tokens_per_second": sum(len(s.token_ids) for s in rows.samples) / max(t_sync - t0, 1e-9)}

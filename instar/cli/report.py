@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 CURVES = ("reward", "eval/accuracy", "eval_greedy/accuracy")
-TIMES = ("time/generate", "time/logprobs", "time/train", "time/weight_sync", "time/step")
+TIMES = ("time/trainer_idle", "time/logprobs", "time/train", "time/weight_sync", "time/step")
 
 
 def write_report(run_dir: str | Path, title: str = "instar run") -> tuple[Path, Path, dict]:
@@ -39,13 +39,19 @@ def write_report(run_dir: str | Path, title: str = "instar run") -> tuple[Path, 
                "eval accuracy after": last.get("eval/accuracy"),
                "greedy accuracy before": first.get("eval_greedy/accuracy"),
                "greedy accuracy after": last.get("eval_greedy/accuracy"),
-               **{f"mean {k} (s)": sum(r[k] for r in train) / max(len(train), 1) for k in TIMES}}
+               **{f"mean {k} (s)": _mean(train, k) for k in TIMES},
+               "mean engine idle fraction": _mean(train, "engine/idle_fraction")}
     cells = "".join(f"<tr><td>{html.escape(k)}</td><td>{_fmt(v)}</td></tr>" for k, v in summary.items())
     page = run / "report.html"
     page.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>"
                     f"<body><h1>{html.escape(title)}</h1><img src='curve.png' alt='reward and accuracy curves'>"
                     f"<table>{cells}</table><p>Per-step metrics: metrics.jsonl</p></body></html>\n")
     return png, page, summary
+
+
+def _mean(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return sum(values) / len(values) if values else None
 
 
 def _fmt(v: object) -> str:

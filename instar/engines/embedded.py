@@ -22,6 +22,7 @@ sampled token is routed too; `Generation.routed_experts[i]` is the routing of sa
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -88,7 +89,7 @@ class EmbeddedEngine:
         self._wake: asyncio.Event | None = None
         self._error: BaseException | None = None
         self._closed = False
-        self.stats = {"prompt_tokens": 0, "prefix_hit_tokens": 0, "sampled_tokens": 0}
+        self.stats = {"prompt_tokens": 0, "prefix_hit_tokens": 0, "sampled_tokens": 0, "busy_seconds": 0.0}
         """Counters since start: prompt tokens admitted, of those the ones whose KV came from the
         session's cached prefix (not recomputed), and tokens sampled."""
 
@@ -199,7 +200,9 @@ class EmbeddedEngine:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
+                start = time.perf_counter()
                 self._step()
+                self.stats["busy_seconds"] += time.perf_counter() - start
                 await asyncio.sleep(0)  # let new requests, pause and resume in between steps
         except Exception as error:  # fail every waiter rather than leave it hanging
             self._error = error

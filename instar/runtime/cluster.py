@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from functools import partial
 from typing import Any
 
@@ -86,10 +87,21 @@ class Cluster:
         return await self.trainer.critic_step(samples, partial(critic_loss, self.cfg), extras)
 
     async def metrics(self) -> dict[str, float]:
+        """Agent-runner counts (cumulative), and engine use since the previous call."""
         totals: dict[str, float] = {}
         for m in await asyncio.gather(*(a.metrics.remote() for a in self.agents)):
             for k, v in m.items():
                 totals[k] = totals.get(k, 0.0) + v
+        now, engine = time.perf_counter(), {}
+        for m in await asyncio.gather(*(e.stats.remote() for e in self.engines)):
+            for k, v in m.items():
+                engine[k] = engine.get(k, 0.0) + v
+        last, self._last_engine = getattr(self, "_last_engine", (now, {})), (now, engine)
+        delta = {k: v - last[1].get(k, 0.0) for k, v in engine.items()}
+        if "busy_seconds" in delta and now > last[0]:
+            totals["engine/idle_fraction"] = 1 - delta["busy_seconds"] / ((now - last[0]) * len(self.engines))
+        if delta.get("prompt_tokens"):
+            totals["engine/prefix_hit_rate"] = delta.get("prefix_hit_tokens", 0.0) / delta["prompt_tokens"]
         return totals
 
     async def evaluate(self, cfg: RLConfig, sampling: SamplingParams) -> dict[str, float]:

@@ -60,6 +60,10 @@ class EngineActor:
     def version(self) -> int:
         return self.engine.version
 
+    def stats(self) -> dict[str, float]:
+        """Cumulative counters (tokens, busy seconds) where the engine keeps them."""
+        return dict(getattr(self.engine, "stats", {}))
+
     async def join_weight_group(self, master_addr: str, master_port: int, rank: int, world_size: int,
                                 device: str = "cpu") -> None:
         """Returns once trainer rank 0 and every engine joined; call on all of them concurrently. vLLM
