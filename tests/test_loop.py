@@ -126,7 +126,7 @@ def test_kill_9_then_resume_trains_every_prompt_exactly_once(tmp_path, tiny_mode
 def test_examples_train_two_steps(example, tmp_path, tiny_model_dir, prompts):
     cfg = make_cfg(tmp_path, tiny_model_dir, prompts, **{
         "train.agent_path": str(ROOT / "examples/agents" / example), "train.max_steps": 2,
-        "train.force_sync_mode": True})
+        "train.force_sync_mode": True, "data.max_len": 1024})  # the tool schema alone is ~250 tokens
     run(cfg)
     metrics = rows(tmp_path / "run/metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]

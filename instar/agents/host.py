@@ -32,6 +32,7 @@ class AgentHost:
                  max_new_tokens: int, agent_timeout: float, system_prompt: str | None = None,
                  model_name: str = "policy") -> None:
         self.runner, self.agent_timeout, self.system_prompt = runner, agent_timeout, system_prompt
+        self.max_len = max_len
         self.server = ChatServer(engine, tokenizer, model_name=model_name, max_len=max_len,
                                  max_new_tokens=max_new_tokens)
         self.dropped: Counter[str] = Counter()
@@ -62,6 +63,8 @@ class AgentHost:
                 release(session.id)
                 release(f"{session.id}/untraced")
         transcript = session.transcript
+        if not transcript.segments and transcript.truncated:
+            return self._drop("prompt_too_long", task, f"the prompt does not fit in --data.max_len={self.max_len}")
         finish = "length" if transcript.truncated else "abort" if transcript.last_finish_reason == "abort" else "stop"
         traj = Trajectory(transcript.segments, reward=result.reward, score=result.score, info=result.info,
                           group_id=task.group_id, rollout_id=task.rollout_id, prompt_index=task.prompt_index,
@@ -78,6 +81,7 @@ class AgentHost:
         self.dropped[reason] += 1
 
     def metrics(self) -> dict[str, float]:
-        """Counts since start: finished rollouts and dropped ones by reason (timeout, error_<Type>, invalid)."""
+        """Counts since start: finished rollouts and dropped ones by reason (timeout, error_<Type>,
+        prompt_too_long, invalid)."""
         return {"agent/finished": float(self.finished),
                 **{f"agent/dropped_{reason}": float(n) for reason, n in sorted(self.dropped.items())}}
