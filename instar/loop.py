@@ -92,7 +92,7 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
             t_sync = time.perf_counter()
             kl.update(metrics.get("actor/kl_loss", 0.0), len(rows.trajectories))
             mark(stream, out, step, kept, "trained")
-            mark(stream, out, step, [g for g in groups if g not in kept], "filtered")
+            mark(stream, out, step, [g for g in groups if all(g is not k for k in kept)], "filtered")
             if cfg.train.rollout_dump_dir:
                 Path(cfg.train.rollout_dump_dir).mkdir(parents=True, exist_ok=True)
                 write_jsonl(f"{cfg.train.rollout_dump_dir}/step_{step:06d}.jsonl", rows.trajectories)

@@ -125,6 +125,8 @@ class Cluster:
     async def __aexit__(self, *exc: Any) -> None:
         await asyncio.gather(*(a.close.remote() for a in self.agents), *(e.close.remote() for e in self.engines),
                              return_exceptions=True)
+        for actor in [*self.agents, *self.engines]:  # on a shared cluster they would outlive the run
+            ray.kill(actor)
         if self.trainer is not None:
             await self.trainer.shutdown()
         if getattr(self, "started_ray", False):
