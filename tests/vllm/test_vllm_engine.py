@@ -133,11 +133,14 @@ def test_pause_abort_returns_the_tokens_so_far(vllm, dense):
 def test_pause_wait_drains_and_holds_new_requests(vllm):
     engine, loop = vllm
     running = asyncio.run_coroutine_threadsafe(
-        engine.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=60)), loop.loop)
+        engine.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=400)), loop.loop)
     wait_until(lambda: engine.load().running == 1)
+    # vLLM's "wait" drains scheduled requests; one its core has not scheduled yet is held like a new
+    # one until resume. Give the core a moment to schedule it (400 tokens keep it running meanwhile).
+    time.sleep(0.3)
     loop.run(engine.pause("wait"))
-    finished = running.result(timeout=10)  # before any resume: it ran to the end while paused
-    assert len(finished.token_ids) == 60 and finished.finish_reason == "length"  # finished, not cut
+    finished = running.result(timeout=60)  # before any resume: it ran to the end while paused
+    assert len(finished.token_ids) == 400 and finished.finish_reason == "length"  # finished, not cut
     later = asyncio.run_coroutine_threadsafe(
         engine.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=5)), loop.loop)
     time.sleep(0.5)
