@@ -122,6 +122,11 @@ class Trajectory:
     def truncated(self) -> bool:
         return self.finish_reason == "length"
 
+    @property
+    def outcome(self) -> float:
+        """The score when the agent gave one, else the reward: what filters and accuracy count."""
+        return self.reward if self.score is None else self.score
+
     def validate(self) -> None:
         if not self.segments:
             raise ContractError(f"trajectory {self.rollout_id!r} has no segments")

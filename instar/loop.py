@@ -131,7 +131,7 @@ async def save(cfg: RLConfig, cluster: Cluster, step: int, stream: PromptStream,
                pending: list[Group]) -> None:
     ledger = Path(cfg.ckpt.output_dir) / "ledger.jsonl"
     extra = {"step": step, "stream": stream.state_dict(), "kl": kl.state_dict(),
-             "ledger_lines": sum(1 for _ in ledger.open()) if ledger.exists() else 0,
+             "ledger_lines": len(ledger.read_text().splitlines()) if ledger.exists() else 0,
              "pending": [(g.group_id, g.epoch, g.prompt_index, g.launch_version, [t.to_json() for t in g.trajectories])
                          for g in pending]}
     await cluster.trainer.save(str(Path(cfg.ckpt.output_dir) / "checkpoints"), extra, cfg.ckpt.max_num)

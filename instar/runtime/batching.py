@@ -46,7 +46,7 @@ def select(groups: list[Group], cfg: RLConfig) -> tuple[list[Group], dict[str, f
             dropped["empty_group"] += 1
     metrics = {f"dropped/{k}": float(v) for k, v in dropped.items()}
     if cfg.algo.dynamic_filter is not None and kept:
-        scores = torch.tensor([_score(t) for g in kept for t in g.trajectories])
+        scores = torch.tensor([t.outcome for g in kept for t in g.trajectories])
         index = torch.tensor([k for k, g in enumerate(kept) for _ in g.trajectories])
         keep, pass_rate = dynamic_filter(scores, index, cfg.algo.dynamic_filter)
         kept = [g for k, g in enumerate(kept) if keep[index == k].all()]
@@ -109,14 +109,10 @@ def rollout_metrics(trajs: list[Trajectory], policy_version: int) -> dict[str, f
     actions = [sum(s.num_actions for s in t.segments) for t in trajs]
     staleness = [policy_version - min(v for s in t.segments for v, m in zip(s.versions, s.action_mask) if m)
                  for t in trajs]
-    out = {"reward": sum(t.reward for t in trajs) / n, "score": sum(_score(t) for t in trajs) / n,
+    out = {"reward": sum(t.reward for t in trajs) / n, "score": sum(t.outcome for t in trajs) / n,
            "response_length": sum(actions) / n, "truncation_rate": sum(t.truncated for t in trajs) / n,
            "segments_per_trajectory": sum(len(t.segments) for t in trajs) / n,
            "staleness_max": float(max(staleness, default=0)), "trajectories": float(len(trajs))}
     for k, c in Counter(staleness).items():
         out[f"staleness/{k}"] = c / n
     return out
-
-
-def _score(t: Trajectory) -> float:
-    return t.reward if t.score is None else t.score

@@ -27,6 +27,8 @@ class Cluster:
         adv = cfg.algo.advantage
         self.has_ref = cfg.algo.kl.coef > 0 or adv.estimator == "on_policy_distill"
         self.has_critic = adv.estimator == "gae"
+        self.started_ray = False
+        self._last_engine: tuple[float, dict[str, float]] = (time.perf_counter(), {})  # for per-step deltas
 
     async def __aenter__(self) -> Cluster:
         self.engines, self.agents, self.trainer = [], [], None
@@ -96,7 +98,7 @@ class Cluster:
         for m in await asyncio.gather(*(e.stats.remote() for e in self.engines)):
             for k, v in m.items():
                 engine[k] = engine.get(k, 0.0) + v
-        last, self._last_engine = getattr(self, "_last_engine", (now, {})), (now, engine)
+        last, self._last_engine = self._last_engine, (now, engine)
         delta = {k: v - last[1].get(k, 0.0) for k, v in engine.items()}
         if "busy_seconds" in delta and now > last[0]:
             totals["engine/idle_fraction"] = 1 - delta["busy_seconds"] / ((now - last[0]) * len(self.engines))
@@ -115,7 +117,7 @@ class Cluster:
                       for p in prompts]
             results = await asyncio.gather(*(self.agents[i % len(self.agents)].run_group.remote(g)
                                              for i, g in enumerate(groups)))
-            scores = [[t.reward if t.score is None else t.score for t in trajs] for trajs in results]
+            scores = [[t.outcome for t in trajs] for trajs in results]
             n = sum(len(s) for s in scores)
             out[f"{name}/accuracy"] = sum(map(sum, scores)) / max(n, 1)
             out[f"{name}/pass@{k}"] = sum(any(x >= 1.0 for x in s) for s in scores) / len(prompts)
@@ -129,6 +131,6 @@ class Cluster:
             ray.kill(actor)
         if self.trainer is not None:
             await self.trainer.shutdown()
-        if getattr(self, "started_ray", False):
+        if self.started_ray:
             ray.shutdown()
 
