@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from instar.contract import Sample
 from instar.train.batch import collate, plan_micro_batches, shard_samples
-from instar.train.model import forward_logits, next_token_logprobs
+from instar.train.model import forward_logits, load_model, next_token_logprobs
 from instar.train.moe import freeze_routers, record_routes, replay_routes, routers
 from instar.train.optim import build_optimizer, lr_factor
 
@@ -49,8 +49,12 @@ def test_collate_packs_one_row_and_unpacks_right_padded():
     assert mb.unpack(torch.arange(6.0) + 10).tolist() == [[0, 10, 0, 0], [0, 12, 13, 14]]
 
 
-def test_packed_logprobs_equal_one_forward_per_sample(tiny_model_dir):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+@pytest.mark.parametrize("attention", ["packed", "sdpa"])
+def test_packed_logprobs_equal_one_forward_per_sample(tiny_model_dir, attention):
+    # "packed": instar's per-sequence attention (what load_model uses); "sdpa": transformers' own
+    # block-diagonal mask built from the restarting position_ids.
+    load = load_model if attention == "packed" else AutoModelForCausalLM.from_pretrained
+    model = load(tiny_model_dir)
     samples = [make_sample(n, i) for i, n in enumerate([7, 12, 5])]
     mb = collate(samples, [0, 1, 2])
     with torch.no_grad():
@@ -62,6 +66,17 @@ def test_packed_logprobs_equal_one_forward_per_sample(tiny_model_dir):
             assert lp.shape == (len(s.token_ids),) and lp[0] == 0
             torch.testing.assert_close(lp[1:], ref, atol=2e-6, rtol=0)
     assert entropy.shape == (24,) and bool((entropy > 0).all())
+
+
+def test_packed_attention_gradients_match_transformers_masked_attention(tiny_model_dir):
+    packed, masked = load_model(tiny_model_dir), AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert packed.config._attn_implementation == "instar_packed"
+    mb = collate([make_sample(n, i) for i, n in enumerate([9, 30, 4, 17])], [0, 1, 2, 3])
+    for model in (packed, masked):
+        logp, _ = next_token_logprobs(forward_logits(model, mb.input_ids, mb.position_ids), mb.input_ids)
+        mb.unpack(logp).sum().backward()
+    for (name, a), b in zip(packed.named_parameters(), masked.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_lr_schedule_warms_up_then_decays():

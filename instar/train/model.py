@@ -7,9 +7,41 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PACKED = "instar_packed"
+
+
+def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     cu_seq_lens_q: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Causal attention within each sequence of a packed row, one SDPA call per sequence.
+
+    Why: for packed rows transformers builds a dense block-diagonal mask, so attention costs the
+    square of the row length (most of it masked out) and SDPA's masked CPU path is slow; per-sequence
+    calls with ``is_causal`` cost the sum of squares (tiny model, forward + backward of a row of
+    170-token sequences: 31 % faster at 512 tokens, 3.5x at 2,048). ``cu_seq_lens_q`` (sequence
+    starts plus the row length) comes from `forward_logits`, under the name that transformers'
+    flash-attention varlen path also reads.
+    """
+    if kwargs.get("sliding_window"):
+        raise NotImplementedError("packed attention has no sliding window (load_model picks sdpa for such models)")
+    bounds = [0, query.shape[2]] if cu_seq_lens_q is None else cu_seq_lens_q.tolist()
+    gqa = query.shape[1] != key.shape[1]
+    parts = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
+                                            dropout_p=dropout if module.training else 0.0, scale=scaling,
+                                            enable_gqa=gqa)
+             for a, b in zip(bounds, bounds[1:])]
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _attention_for(path: str) -> str:
+    """`packed_attention`, registered with transformers, unless the model uses a sliding window."""
+    from transformers import AttentionInterface, AutoConfig
+    AttentionInterface.register(PACKED, packed_attention)  # no mask function: transformers then builds none
+    return "sdpa" if getattr(AutoConfig.from_pretrained(path), "sliding_window", None) else PACKED
 
 
 def load_model(path: str, dtype: str = "float32", backend: str = "hf") -> nn.Module:
@@ -24,7 +56,8 @@ def load_model(path: str, dtype: str = "float32", backend: str = "hf") -> nn.Mod
         model = NeMoAutoModelForCausalLM.from_pretrained(path, torch_dtype=DTYPES[dtype])
     elif backend == "hf":
         from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype],
+                                                     attn_implementation=_attention_for(path))
     else:
         raise ValueError(f"unknown model backend {backend!r}; use 'hf' or 'automodel'")
     model.config.use_cache = False  # training never decodes; a KV cache would only cost memory
@@ -47,13 +80,14 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.weight)  # values start at 0, so early GAE equals Monte-Carlo returns
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.trunk(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        hidden = self.trunk(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                            **_bounds_for(self.trunk, position_ids)).last_hidden_state
         return self.value_head(hidden).float().sum(-1)  # not squeeze: FSDP warns on a view as module output
 
 
 def load_value_model(path: str, dtype: str = "float32") -> ValueModel:
     from transformers import AutoModel
-    trunk = AutoModel.from_pretrained(path, dtype=DTYPES[dtype])
+    trunk = AutoModel.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=_attention_for(path))
     trunk.config.use_cache = False
     return ValueModel(trunk).train()
 
@@ -78,10 +112,27 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     hf[0].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def packing_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
+    """Where the sequences of a packed row ``[1, N]`` start (``position_ids`` restart at 0), in the
+    varlen form that `packed_attention` and transformers' flash-attention path both read."""
+    starts = (position_ids[0] == 0).nonzero().flatten()
+    cu = torch.cat([starts, starts.new_tensor([position_ids.shape[1]])]).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
 def forward_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """Logits of a packed row ``[1, N]``. Sequences are separated by ``position_ids`` restarting at 0:
-    with no attention mask and no KV cache, transformers builds a block-diagonal causal mask from them."""
-    return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    """Logits of a packed row ``[1, N]`` whose sequences are separated by ``position_ids`` restarting
+    at 0. Attention stays within each sequence: `packed_attention` (or a flash-attention varlen
+    kernel) reads the sequence bounds; any other implementation gets a block-diagonal mask from
+    transformers, built from the same ``position_ids``."""
+    return model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                 **_bounds_for(model, position_ids)).logits
+
+
+def _bounds_for(model: nn.Module, position_ids: torch.Tensor) -> dict[str, Any]:
+    impl = str(getattr(model.config, "_attn_implementation", ""))
+    return packing_kwargs(position_ids) if impl == PACKED or impl.startswith("flash_attention") else {}
 
 
 def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
