@@ -40,7 +40,8 @@ def write_report(run_dir: str | Path, title: str = "instar run") -> tuple[Path, 
                "greedy accuracy before": first.get("eval_greedy/accuracy"),
                "greedy accuracy after": last.get("eval_greedy/accuracy"),
                **{f"mean {k} (s)": _mean(train, k) for k in TIMES},
-               "mean engine idle fraction": _mean(train, "engine/idle_fraction")}
+               "mean engine idle fraction": _mean(train, "engine/idle_fraction"),
+               "mean agent-actor cpu fraction": _mean(train, "agent/cpu_fraction")}
     cells = "".join(f"<tr><td>{html.escape(k)}</td><td>{_fmt(v)}</td></tr>" for k, v in summary.items())
     page = run / "report.html"
     page.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Any
 
 import ray
@@ -42,7 +43,9 @@ class AgentActor:
         return [t for t in out if t is not None]
 
     def metrics(self) -> dict[str, float]:
-        return self.host.metrics()
+        """The host's counts, and this process's CPU seconds so far (the env, the chat server,
+        tokenization: all agent-side work) for the driver's per-step use fraction."""
+        return {**self.host.metrics(), "agent/cpu_seconds": time.process_time()}
 
     async def close(self) -> None:
         if self.started:

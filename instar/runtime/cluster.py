@@ -28,7 +28,7 @@ class Cluster:
         self.has_ref = cfg.algo.kl.coef > 0 or adv.estimator == "on_policy_distill"
         self.has_critic = adv.estimator == "gae"
         self.started_ray = False
-        self._last_engine: tuple[float, dict[str, float]] = (time.perf_counter(), {})  # for per-step deltas
+        self._last_use: tuple[float, dict[str, float]] = (time.perf_counter(), {})  # for per-step deltas
 
     async def __aenter__(self) -> Cluster:
         self.engines, self.agents, self.trainer = [], [], None
@@ -89,19 +89,21 @@ class Cluster:
         return await self.trainer.critic_step(samples, partial(critic_loss, self.cfg), extras)
 
     async def metrics(self) -> dict[str, float]:
-        """Agent-runner counts (cumulative), and engine use since the previous call."""
+        """Agent-runner counts (cumulative); engine and agent-actor use since the previous call."""
         totals: dict[str, float] = {}
         for m in await asyncio.gather(*(a.metrics.remote() for a in self.agents)):
             for k, v in m.items():
                 totals[k] = totals.get(k, 0.0) + v
-        now, engine = time.perf_counter(), {}
+        now, use = time.perf_counter(), {"agent_cpu_seconds": totals.pop("agent/cpu_seconds", 0.0)}
         for m in await asyncio.gather(*(e.stats.remote() for e in self.engines)):
             for k, v in m.items():
-                engine[k] = engine.get(k, 0.0) + v
-        last, self._last_engine = self._last_engine, (now, engine)
-        delta = {k: v - last[1].get(k, 0.0) for k, v in engine.items()}
-        if "busy_seconds" in delta and now > last[0]:
-            totals["engine/idle_fraction"] = 1 - delta["busy_seconds"] / ((now - last[0]) * len(self.engines))
+                use[k] = use.get(k, 0.0) + v
+        (then, last), self._last_use = self._last_use, (now, use)
+        delta = {k: v - last.get(k, 0.0) for k, v in use.items()}
+        if now > then:
+            totals["agent/cpu_fraction"] = delta["agent_cpu_seconds"] / ((now - then) * len(self.agents))
+            if "busy_seconds" in delta:
+                totals["engine/idle_fraction"] = 1 - delta["busy_seconds"] / ((now - then) * len(self.engines))
         if delta.get("prompt_tokens"):
             totals["engine/prefix_hit_rate"] = delta.get("prefix_hit_tokens", 0.0) / delta["prompt_tokens"]
         return totals
