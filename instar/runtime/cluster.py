@@ -101,7 +101,8 @@ class Cluster:
         (then, last), self._last_use = self._last_use, (now, use)
         delta = {k: v - last.get(k, 0.0) for k, v in use.items()}
         if now > then:
-            totals["agent/cpu_fraction"] = delta["agent_cpu_seconds"] / ((now - then) * len(self.agents))
+            if self.agents:  # none when replaying recorded rollouts
+                totals["agent/cpu_fraction"] = delta["agent_cpu_seconds"] / ((now - then) * len(self.agents))
             if "busy_seconds" in delta:
                 totals["engine/idle_fraction"] = 1 - delta["busy_seconds"] / ((now - then) * len(self.engines))
         if delta.get("prompt_tokens"):
