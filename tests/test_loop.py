@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from instar.cli.view import write_view
 from instar.config import RLConfig
 from instar.contract import read_jsonl
 from instar.loop import run
@@ -92,6 +93,8 @@ def test_replaying_a_dump_reproduces_the_step(tmp_path, tiny_model_dir, prompts)
     assert a["actor/loss"] != 0
     for key in ("actor/loss", "actor/grad_norm", "actor/entropy", "advantage_abs_mean", "reward"):
         assert a[key] == b[key], key
+    page = write_view(tmp_path / "dump", str(tiny_model_dir)).read_text()  # `instar view` reads real dumps
+    assert page.count("<section>") == 8 and page.count("<span class=a ") == a["actor/action_tokens"]
 
 
 def test_kill_9_then_resume_trains_every_prompt_exactly_once(tmp_path, tiny_model_dir, prompts):

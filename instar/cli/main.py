@@ -35,6 +35,31 @@ class ReportArgs:
     """The run's --ckpt.output_dir (it holds metrics.jsonl)."""
 
 
+@dataclasses.dataclass
+class ViewArgs:
+    """`instar view`: dumped trajectories as a token-level HTML page (tokens, logprobs, versions)."""
+
+    path: str = ""
+    """A rollout dump: one step_N.jsonl, or the run's --train.rollout_dump_dir."""
+    tokenizer: str = ""
+    """HF checkpoint directory whose tokenizer decodes the tokens (the run's --actor.model_name_or_path)."""
+    out: str | None = None
+    """HTML file to write; None writes view.html beside the dump."""
+    limit: int = 64
+    """Show the first this many trajectories."""
+
+
+def _run_view(args: ViewArgs) -> None:
+    from instar.cli.view import write_view
+
+    if not args.path or not args.tokenizer:
+        raise ConfigError("--path (a rollout dump) and --tokenizer (the run's model directory) are required")
+    try:
+        print(f"wrote {write_view(args.path, args.tokenizer, args.out, args.limit)}")
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from e
+
+
 def _run_report(args: ReportArgs) -> None:
     from instar.cli.report import write_report
 
@@ -74,6 +99,7 @@ COMMANDS: dict[str, tuple[type, Callable]] = {
     "sft": (SFTConfig, _run_sft),
     "tiny-model": (TinyModelArgs, _run_tiny_model),
     "report": (ReportArgs, _run_report),
+    "view": (ViewArgs, _run_view),
 }
 
 

@@ -1,0 +1,83 @@
+"""`instar view`: dumped trajectories (``--train.rollout_dump_dir``) as one token-level HTML page.
+
+Every token is shown as the model saw it. Context tokens (prompt, chat template, tool results) are
+grey; sampled tokens are shaded by the probability the engine gave them, from green (likely) to red
+(unlikely), so a surprising token stands out. Hovering a token shows its id, logprob and the policy
+version that sampled it. Segments are split where the agent rewrote its history.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+from instar.contract import Sample, Trajectory, read_jsonl
+
+STYLE = """body{font-family:sans-serif;margin:1.5em}section{border:1px solid #ccc;border-radius:6px;padding:.6em;
+margin:1em 0}h2{font-size:1em;margin:.2em 0}.t{font-family:monospace;white-space:pre-wrap;line-height:1.6}
+.c{color:#777}.a{border-radius:2px}.seg{border-top:2px dashed #999;margin:.5em 0;color:#999;font-size:.8em}"""
+
+
+def load_dump(path: str | Path) -> list[tuple[str, Trajectory]]:
+    """(file name, trajectory) from one ``step_N.jsonl`` or, in step order, every one in a directory."""
+    path = Path(path)
+    files = sorted(path.glob("step_*.jsonl")) if path.is_dir() else [path]
+    if not files or not files[0].is_file():
+        raise FileNotFoundError(f"no rollout dump at {path}: pass a step_N.jsonl file or the "
+                                "--train.rollout_dump_dir directory of a run")
+    return [(f.name, t) for f in files for t in read_jsonl(str(f))]
+
+
+def _token(text: str, token_id: int, action: bool, logprob: float, version: int) -> str:
+    shown = html.escape(text.replace("\n", "\u21b5\n"))
+    if not action:
+        return f"<span class=c title='id {token_id}'>{shown}</span>"
+    p = math.exp(logprob)
+    colour = f"hsl({120 * p:.0f},70%,80%)"  # 0 -> red, 1 -> green
+    tip = f"id {token_id} · logprob {logprob:.4f} · p {p:.3f} · version {version}"
+    return f"<span class=a style='background:{colour}' title='{tip}'>{shown}</span>"
+
+
+def _segment(sample: Sample, decode: Callable[[int], str]) -> str:
+    return "".join(_token(decode(t), t, bool(m), lp, v) for t, m, lp, v in
+                   zip(sample.token_ids, sample.action_mask, sample.rollout_logprobs, sample.versions))
+
+
+def render(items: list[tuple[str, Trajectory]], decode: Callable[[int], str], title: str) -> str:
+    """The HTML page for ``items``; ``decode`` turns one token id into its text."""
+    sections = []
+    for source, t in items:
+        versions = sorted({v for s in t.segments for v, m in zip(s.versions, s.action_mask) if m})
+        head = (f"{html.escape(source)} · rollout {html.escape(t.rollout_id)} · prompt {t.prompt_index} · "
+                f"reward {t.reward:g}" + (f" · score {t.score:g}" if t.score is not None else "") +
+                f" · {html.escape(t.finish_reason)} · {sum(s.num_actions for s in t.segments)} sampled tokens"
+                f" · versions {versions}")
+        body = "<div class=seg>history rewritten: new segment</div>".join(
+            f"<div class=t>{_segment(s, decode)}</div>" for s in t.segments)
+        sections.append(f"<section><h2>{head}</h2>{body}</section>")
+    legend = ("<p>grey: context (prompt, template, tool results); shaded: sampled, green = likely, "
+              "red = unlikely; hover a token for its id, logprob and policy version.</p>")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{legend}"
+            f"{''.join(sections)}</body></html>\n")
+
+
+def write_view(path: str | Path, tokenizer_path: str, out: str | Path | None = None, limit: int = 64) -> Path:
+    """Render the first ``limit`` trajectories of a dump to ``out`` (default: ``view.html`` beside it)."""
+    from transformers import AutoTokenizer
+
+    items = load_dump(path)[:limit]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    cache: dict[int, str] = {}
+
+    def decode(token_id: int) -> str:
+        if token_id not in cache:
+            cache[token_id] = tokenizer.decode([token_id])
+        return cache[token_id]
+
+    path = Path(path)
+    target = Path(out) if out else (path if path.is_dir() else path.parent) / "view.html"
+    target.write_text(render(items, decode, f"instar view: {path.name}"))
+    return target
