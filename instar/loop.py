@@ -18,7 +18,7 @@ from functools import partial
 from pathlib import Path
 
 from instar.algo import KLController
-from instar.config import RLConfig, check
+from instar.config import ConfigError, RLConfig, check
 from instar.contract import SamplingParams, Trajectory, write_jsonl
 from instar.data.prompts import PromptStream, load_prompts
 from instar.runtime import batching
@@ -34,6 +34,24 @@ def run(cfg: RLConfig) -> dict[str, float]:
     return asyncio.run(_run(cfg))
 
 
+def evaluate(cfg: RLConfig) -> dict[str, float]:
+    """`instar eval`: --eval.dataset through the agent with --actor.model_name_or_path; no training."""
+    if not cfg.eval.dataset:
+        raise ConfigError("--eval.dataset is required: the prompts (with labels) to evaluate on")
+    if not cfg.train.agent_path:
+        raise ConfigError("--train.agent_path is required: the agent (Env or ChatAgent) that scores each answer")
+
+    async def go() -> dict[str, float]:
+        async with Cluster(cfg, train=False) as cluster:
+            return await cluster.evaluate(cfg, sampling_params(cfg))
+    return asyncio.run(go())
+
+
+def sampling_params(cfg: RLConfig) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=cfg.data.max_new_tokens)
+
+
 async def _run(cfg: RLConfig) -> dict[str, float]:
     out = Path(cfg.ckpt.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -42,9 +60,7 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
     kl = KLController.from_config(cfg.algo.kl)
     async with Cluster(cfg) as cluster:
         step, pending = await resume(cfg, cluster, stream, kl)
-        r = cfg.rollout
-        sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                  max_tokens=cfg.data.max_new_tokens)
+        r, sampling = cfg.rollout, sampling_params(cfg)
         if cfg.train.rollout_replay_dir:
             pool = ReplayPool(cfg.train.rollout_replay_dir, step)
         else:

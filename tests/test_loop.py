@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from instar.cli.main import main
 from instar.cli.view import write_view
 from instar.config import RLConfig
 from instar.contract import read_jsonl
@@ -136,3 +137,17 @@ def test_examples_train_two_steps(example, tmp_path, tiny_model_dir, prompts):
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["trajectories"] == 8 and m["actor/action_tokens"] > 0 for m in metrics)
     assert not any(k.startswith("agent/dropped") for m in metrics for k in m)
+
+
+def test_eval_command_scores_every_prompt_without_a_trainer(tmp_path, tiny_model_dir, capsys):
+    dataset = tmp_path / "eval.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": f"Question {i}?", "label": "yes" if i % 10 < 3 else "no"}) + "\n"
+                               for i in range(20)))
+    main(["eval", "--actor.model_name_or_path", str(tiny_model_dir), "--eval.dataset", str(dataset),
+          "--eval.n_samples", "2", "--data.max_new_tokens", "8",
+          "--train.agent_path", str(ROOT / "tests/agents/label_env.py")])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == "eval accuracy: 0.3 (greedy 0.3)"
+    assert {"eval/pass@2: 0.3", "eval/dropped: 0", "eval_greedy/dropped: 0"} <= set(out)
+    with pytest.raises(SystemExit, match="--eval.dataset is required"):
+        main(["eval", "--actor.model_name_or_path", str(tiny_model_dir)])

@@ -39,7 +39,12 @@ def rows(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
 def reference() -> str:
     lines = ["# instar flags", "", "Generated from `instar/config.py` by `python -m instar.cli.flags`; every flag is",
              "also a key of a YAML recipe (`--config recipe.yaml`).", ""]
+    listed: dict[type, str] = {}
     for name, (cls, _) in COMMANDS.items():
+        if cls in listed:  # e.g. `instar eval` reads an RL recipe
+            lines += [f"## instar {name}", "", f"The flags of `instar {listed[cls]}`.", ""]
+            continue
+        listed[cls] = name
         lines += [f"## instar {name}", "", (cls.__doc__ or "").strip(), "", "| flag | default | meaning |",
                   "|---|---|---|"]
         lines += [f"| `{flag}` | `{default}` | {doc.replace('|', '/')} |" for flag, default, doc in rows(cls)]

@@ -77,6 +77,15 @@ def _run_rl(cfg: RLConfig) -> None:
     run(cfg)
 
 
+def _run_eval(cfg: RLConfig) -> None:
+    from instar.loop import evaluate
+
+    metrics = evaluate(cfg)
+    for key, value in metrics.items():
+        print(f"{key}: {value:g}")
+    print(f"eval accuracy: {metrics['eval/accuracy']:g} (greedy {metrics['eval_greedy/accuracy']:g})")
+
+
 def _run_sft(cfg: SFTConfig) -> None:
     from instar.train.sft import run_sft
 
@@ -97,6 +106,7 @@ def _run_tiny_model(args: TinyModelArgs) -> None:
 COMMANDS: dict[str, tuple[type, Callable]] = {
     "rl": (RLConfig, _run_rl),
     "sft": (SFTConfig, _run_sft),
+    "eval": (RLConfig, _run_eval),
     "tiny-model": (TinyModelArgs, _run_tiny_model),
     "report": (ReportArgs, _run_report),
     "view": (ViewArgs, _run_view),

@@ -22,8 +22,9 @@ from instar.runtime.trainer_group import TrainerGroup
 
 
 class Cluster:
-    def __init__(self, cfg: RLConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: RLConfig, train: bool = True):
+        """``train=False`` starts only engines and agent runners (`instar eval`)."""
+        self.cfg, self.train = cfg, train
         adv = cfg.algo.advantage
         self.has_ref = cfg.algo.kl.coef > 0 or adv.estimator == "on_policy_distill"
         self.has_critic = adv.estimator == "gae"
@@ -61,6 +62,8 @@ class Cluster:
             cfg.train.agent_path, model, self.engines, max_len=cfg.data.max_len,
             max_new_tokens=cfg.data.max_new_tokens, agent_timeout=cfg.train.agent_timeout,
             system_prompt=cfg.data.system_prompt) for _ in range(cfg.rollout.num_agent_runners)]
+        if not self.train:
+            return self
         self.trainer = await TrainerGroup.start(cfg, ref_path=(cfg.actor.ref_model_name_or_path or model)
                                                 if self.has_ref else None, critic=self.has_critic)
         if self.engines:  # the group's store lives on trainer rank 0's node, at a port free there
