@@ -21,10 +21,10 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
     Why: for packed rows transformers builds a dense block-diagonal mask, so attention costs the
     square of the row length (most of it masked out) and SDPA's masked CPU path is slow; per-sequence
-    calls with ``is_causal`` cost the sum of squares (tiny model, forward + backward of a row of
-    170-token sequences, bench/attention.py: 1.4x faster at 512 tokens, 3.5x at 2,048). ``cu_seq_lens_q`` (sequence
-    starts plus the row length) comes from `forward_logits`, under the name that transformers'
-    flash-attention varlen path also reads.
+    calls with ``is_causal`` cost the sum of squares (bench/attention.py, tiny model, forward +
+    backward of a row of 170-token sequences: 1.4x faster at 512 tokens, 3.5x at 2,048).
+    ``cu_seq_lens_q`` (sequence starts plus the row length) comes from `forward_logits`, under the
+    name that transformers' flash-attention varlen path also reads.
     """
     if kwargs.get("sliding_window"):
         raise NotImplementedError("packed attention has no sliding window (load_model picks sdpa for such models)")
