@@ -251,6 +251,8 @@ class EvalConfig:
     """Samples per prompt (k of pass@k)."""
     temperature: float = 1.0
     """Eval sampling temperature."""
+    dump_dir: str | None = None
+    """Write each eval's trajectories to DIR/eval_step_N.jsonl (read them with `instar view`)."""
 
 
 @dataclass

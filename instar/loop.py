@@ -119,14 +119,14 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
                         "time/step": t_sync - t0,
                         "tokens_per_second": sum(len(s.token_ids) for s in rows.samples) / max(t_sync - t0, 1e-9)}
             if cfg.eval.dataset and cluster.agents and cfg.eval.steps and step % cfg.eval.steps == 0:
-                metrics |= await cluster.evaluate(cfg, sampling)
+                metrics |= await cluster.evaluate(cfg, sampling, step)
             logger.log(step, metrics)
             if (cfg.ckpt.save_steps and step % cfg.ckpt.save_steps == 0) or step == cfg.train.max_steps:
                 await save(cfg, cluster, step, stream, kl, pool.pending())
             if cfg.ckpt.hf_save_steps and step % cfg.ckpt.hf_save_steps == 0:
                 await cluster.trainer.export_hf(str(out / f"hf_step_{step}"))
         if cfg.eval.dataset and cluster.agents and not (cfg.eval.steps and step % cfg.eval.steps == 0):
-            logger.log(step, metrics | await cluster.evaluate(cfg, sampling))
+            logger.log(step, metrics | await cluster.evaluate(cfg, sampling, step))
         await cluster.trainer.export_hf(str(out / "hf"))
         await pool.close()
         logger.close()

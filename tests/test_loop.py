@@ -144,10 +144,14 @@ def test_eval_command_scores_every_prompt_without_a_trainer(tmp_path, tiny_model
     dataset.write_text("".join(json.dumps({"prompt": f"Question {i}?", "label": "yes" if i % 10 < 3 else "no"}) + "\n"
                                for i in range(20)))
     main(["eval", "--actor.model_name_or_path", str(tiny_model_dir), "--eval.dataset", str(dataset),
-          "--eval.n_samples", "2", "--data.max_new_tokens", "8",
+          "--eval.n_samples", "2", "--data.max_new_tokens", "8", "--eval.dump_dir", str(tmp_path / "dump"),
           "--train.agent_path", str(ROOT / "tests/agents/label_env.py")])
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == "eval accuracy: 0.3 (greedy 0.3)"
     assert {"eval/pass@2: 0.3", "eval/dropped: 0", "eval_greedy/dropped: 0"} <= set(out)
+    dumped = read_jsonl(str(tmp_path / "dump/eval_step_000000.jsonl"))  # 20 x 2 sampled + 20 greedy
+    assert len(dumped) == 60 and sum(t.outcome for t in dumped) == 18
+    page = write_view(tmp_path / "dump", str(tiny_model_dir), limit=100).read_text()
+    assert page.count("<section>") == 60 and page.count("rollout eval_greedy-") == 20
     with pytest.raises(SystemExit, match="--eval.dataset is required"):
         main(["eval", "--actor.model_name_or_path", str(tiny_model_dir)])

@@ -1,4 +1,5 @@
-"""`instar view`: dumped trajectories (``--train.rollout_dump_dir``) as one token-level HTML page.
+"""`instar view`: dumped trajectories (``--train.rollout_dump_dir``, ``--eval.dump_dir``) as one
+token-level HTML page.
 
 Every token is shown as the model saw it. Context tokens (prompt, chat template, tool results) are
 grey; sampled tokens are shaded by the probability the engine gave them, from green (likely) to red
@@ -21,12 +22,13 @@ margin:1em 0}h2{font-size:1em;margin:.2em 0}.t{font-family:monospace;white-space
 
 
 def load_dump(path: str | Path) -> list[tuple[str, Trajectory]]:
-    """(file name, trajectory) from one ``step_N.jsonl`` or, in step order, every one in a directory."""
+    """(file name, trajectory) from one dump file or every one in a directory: training rollouts
+    (``step_N.jsonl``) and eval rollouts (``eval_step_N.jsonl``), each kind in step order."""
     path = Path(path)
-    files = sorted(path.glob("step_*.jsonl")) if path.is_dir() else [path]
+    files = sorted(path.glob("*step_*.jsonl")) if path.is_dir() else [path]
     if not files or not files[0].is_file():
-        raise FileNotFoundError(f"no rollout dump at {path}: pass a step_N.jsonl file or the "
-                                "--train.rollout_dump_dir directory of a run")
+        raise FileNotFoundError(f"no rollout dump at {path}: pass a step_N.jsonl file or a directory of them "
+                                "(--train.rollout_dump_dir, --eval.dump_dir)")
     return [(f.name, t) for f in files for t in read_jsonl(str(f))]
 
 

@@ -7,13 +7,14 @@ import asyncio
 import os
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import ray
 
 from instar.agents.api import Task
 from instar.config import RLConfig
-from instar.contract import SamplingParams
+from instar.contract import SamplingParams, write_jsonl
 from instar.data.prompts import load_prompts
 from instar.runtime.agents import AgentActor
 from instar.runtime.batching import critic_loss
@@ -112,10 +113,11 @@ class Cluster:
             totals["engine/prefix_hit_rate"] = delta.get("prefix_hit_tokens", 0.0) / delta["prompt_tokens"]
         return totals
 
-    async def evaluate(self, cfg: RLConfig, sampling: SamplingParams) -> dict[str, float]:
-        """Accuracy (mean score) and pass@k over --eval.dataset at --eval.temperature, plus greedy accuracy."""
+    async def evaluate(self, cfg: RLConfig, sampling: SamplingParams, step: int = 0) -> dict[str, float]:
+        """Accuracy (mean score) and pass@k over --eval.dataset at --eval.temperature, plus greedy
+        accuracy; the trajectories go to --eval.dump_dir when set."""
         prompts = load_prompts(cfg.eval.dataset, cfg.data)
-        out = {}
+        out, dumped = {}, []
         for name, temp, k in (("eval", cfg.eval.temperature, cfg.eval.n_samples), ("eval_greedy", 0.0, 1)):
             params = sampling.replace(temperature=temp)
             groups = [[Task(prompt=p.messages, label=p.label, tools=p.tools, prompt_index=p.index, group_id=p.index,
@@ -123,11 +125,17 @@ class Cluster:
                       for p in prompts]
             results = await asyncio.gather(*(self.agents[i % len(self.agents)].run_group.remote(g)
                                              for i, g in enumerate(groups)))
+            dumped += [t for trajs in results for t in trajs]
             scores = [[t.outcome for t in trajs] for trajs in results]
             n = sum(len(s) for s in scores)
             out[f"{name}/accuracy"] = sum(map(sum, scores)) / max(n, 1)
             out[f"{name}/pass@{k}"] = sum(any(x >= 1.0 for x in s) for s in scores) / len(prompts)
             out[f"{name}/dropped"] = float(len(prompts) * k - n)
+        if cfg.eval.dump_dir:
+            path = Path(cfg.eval.dump_dir) / f"eval_step_{step:06d}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.unlink(missing_ok=True)  # a resumed run evaluates this step again
+            write_jsonl(str(path), dumped)
         return out
 
     async def __aexit__(self, *exc: Any) -> None:
