@@ -70,6 +70,9 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
         logger.truncate_after(step)
         if cfg.eval.dataset and step == 0 and cluster.agents:
             logger.log(0, await cluster.evaluate(cfg, sampling))
+        def eval_due(step: int) -> bool:
+            return bool(cfg.eval.dataset and cluster.agents and cfg.eval.steps and step % cfg.eval.steps == 0)
+
         metrics: dict[str, float] = {}
         barren = 0  # consecutive batches in which every rollout was dropped
         while step < cfg.train.max_steps:
@@ -118,14 +121,14 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
                         "time/train": t_train - t_logp, "time/weight_sync": t_sync - t_train,
                         "time/step": t_sync - t0,
                         "tokens_per_second": sum(len(s.token_ids) for s in rows.samples) / max(t_sync - t0, 1e-9)}
-            if cfg.eval.dataset and cluster.agents and cfg.eval.steps and step % cfg.eval.steps == 0:
+            if eval_due(step):
                 metrics |= await cluster.evaluate(cfg, sampling, step)
             logger.log(step, metrics)
             if (cfg.ckpt.save_steps and step % cfg.ckpt.save_steps == 0) or step == cfg.train.max_steps:
                 await save(cfg, cluster, step, stream, kl, pool.pending())
             if cfg.ckpt.hf_save_steps and step % cfg.ckpt.hf_save_steps == 0:
                 await cluster.trainer.export_hf(str(out / f"hf_step_{step}"))
-        if cfg.eval.dataset and cluster.agents and not (cfg.eval.steps and step % cfg.eval.steps == 0):
+        if cfg.eval.dataset and cluster.agents and not eval_due(step):  # the final eval, unless just done
             logger.log(step, metrics | await cluster.evaluate(cfg, sampling, step))
         await cluster.trainer.export_hf(str(out / "hf"))
         await pool.close()

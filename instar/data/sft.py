@@ -14,17 +14,11 @@ import json
 from typing import Any
 
 from instar.contract import NO_VERSION, Sample
+from instar.data.chat import encode, render
 
 
 class TemplateError(ValueError):
     """The chat template renders a conversation in a way spans cannot be read from."""
-
-
-def _render(tokenizer: Any, messages: list[dict], tools: list | None, generation_prompt: bool) -> str:
-    if not messages:
-        return ""
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                         add_generation_prompt=generation_prompt)
 
 
 def _extend(done: str, text: str, where: str) -> str:
@@ -42,16 +36,16 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict],
     done = ""
 
     def append(text: str, trainable: int) -> None:
-        piece = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        piece = encode(tokenizer, text) if text else []
         ids.extend(piece)
         mask.extend([trainable] * len(piece))
 
     for i, message in enumerate(messages):
         if message.get("role") == "assistant":
-            prompt = _render(tokenizer, messages[:i], tools, generation_prompt=True)
+            prompt = render(tokenizer, messages[:i], tools, generation_prompt=True) if i else ""
             append(_extend(done, prompt, f"the generation prompt before message {i}"), 0)
             done = prompt
-        full = _render(tokenizer, messages[: i + 1], tools, generation_prompt=False)
+        full = render(tokenizer, messages[: i + 1], tools, generation_prompt=False)
         append(_extend(done, full, f"message {i}"), int(message.get("role") == "assistant"))
         done = full
     return ids, mask

@@ -106,6 +106,7 @@ class VLLMEngine:
         self._tied = bool(getattr(llm.model_config.hf_config, "tie_word_embeddings", False))
         self._vocab = llm.model_config.get_vocab_size()
         self._max_model_len = llm.model_config.max_model_len
+        self._moe_layers = moe_layers(llm.model_config.hf_config) if routing_replay else []
         self._ids = itertools.count()
         self._in_flight = 0
         self._paused = False
@@ -241,8 +242,8 @@ class VLLMEngine:
         if out.routed_experts is None and num_tokens > 1:  # one token: never fed, so no row is right
             raise RuntimeError("--train.routing_replay is on but vLLM returned no routed experts; is the model MoE "
                                "and vLLM running its Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)?")
-        hf_config = self.llm.model_config.hf_config
-        return routed_per_token(out.routed_experts, num_tokens, moe_layers(hf_config), hf_config.num_experts_per_tok)
+        top_k = self.llm.model_config.hf_config.num_experts_per_tok
+        return routed_per_token(out.routed_experts, num_tokens, self._moe_layers, top_k)
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:

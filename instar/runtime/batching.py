@@ -16,6 +16,7 @@ from instar.algo import AdvantageInputs, compute_advantages, dynamic_filter, pol
 from instar.config import RLConfig
 from instar.contract import ContractError, Sample, Trajectory
 from instar.runtime.pool import Group
+from instar.train.batch import right_pad
 
 
 @dataclass
@@ -68,21 +69,14 @@ def to_rows(groups: list[Group]) -> Rows:
                 torch.tensor(traj_index), trajs)
 
 
-def pad(per_sample: list[Tensor]) -> Tensor:
-    out = torch.zeros(len(per_sample), max(len(x) for x in per_sample))
-    for b, x in enumerate(per_sample):
-        out[b, : len(x)] = x
-    return out
-
-
 def advantages(cfg: RLConfig, rows: Rows, old_logprobs: list[Tensor], ref_logprobs: list[Tensor] | None,
                values: list[Tensor] | None, kl_coef: float) -> tuple[list[Tensor], list[Tensor] | None, dict]:
     """Per-sample advantages (and gae returns), cut back to each sample's length."""
-    mask = pad([torch.tensor(s.action_mask, dtype=torch.float32) for s in rows.samples]).bool()
+    mask = right_pad([torch.tensor(s.action_mask, dtype=torch.bool) for s in rows.samples])
     x = AdvantageInputs(action_mask=mask, rewards=rows.rewards, group_index=rows.group_index,
-                        traj_index=rows.traj_index, old_logprobs=pad(old_logprobs),
-                        ref_logprobs=pad(ref_logprobs) if ref_logprobs else None,
-                        values=pad(values) if values else None, kl_coef=kl_coef)
+                        traj_index=rows.traj_index, old_logprobs=right_pad(old_logprobs),
+                        ref_logprobs=right_pad(ref_logprobs) if ref_logprobs else None,
+                        values=right_pad(values) if values else None, kl_coef=kl_coef)
     adv, returns, metrics = compute_advantages(cfg.algo, x)
     lengths = [len(s.token_ids) for s in rows.samples]
     cut = [adv[b, :n] for b, n in enumerate(lengths)]

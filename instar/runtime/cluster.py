@@ -12,13 +12,13 @@ from typing import Any
 
 import ray
 
-from instar.agents.api import Task
 from instar.config import RLConfig
 from instar.contract import SamplingParams, write_jsonl
 from instar.data.prompts import load_prompts
 from instar.runtime.agents import AgentActor
 from instar.runtime.batching import critic_loss
 from instar.runtime.engines import EngineActor
+from instar.runtime.pool import group_tasks
 from instar.runtime.trainer_group import TrainerGroup
 
 
@@ -120,9 +120,7 @@ class Cluster:
         out, dumped = {}, []
         for name, temp, k in (("eval", cfg.eval.temperature, cfg.eval.n_samples), ("eval_greedy", 0.0, 1)):
             params = sampling.replace(temperature=temp)
-            groups = [[Task(prompt=p.messages, label=p.label, tools=p.tools, prompt_index=p.index, group_id=p.index,
-                            rollout_id=f"{name}-{p.index}-{j}", sampling_params=params) for j in range(k)]
-                      for p in prompts]
+            groups = [group_tasks(p, p.index, k, params, f"{name}-{p.index}-") for p in prompts]
             results = await asyncio.gather(*(self.agents[i % len(self.agents)].run_group.remote(g)
                                              for i, g in enumerate(groups)))
             dumped += [t for trajs in results for t in trajs]

@@ -16,7 +16,13 @@ from typing import Any
 from instar.agents.api import Task
 from instar.config import RLConfig
 from instar.contract import SamplingParams, Trajectory, read_jsonl
-from instar.data.prompts import PromptStream
+from instar.data.prompts import Prompt, PromptStream
+
+
+def group_tasks(prompt: Prompt, group_id: int, n: int, sampling: SamplingParams, id_prefix: str) -> list[Task]:
+    """The ``n`` rollouts of one prompt, with rollout ids ``{id_prefix}0`` .. ``{id_prefix}{n-1}``."""
+    return [Task(prompt=prompt.messages, label=prompt.label, tools=prompt.tools, prompt_index=prompt.index,
+                 group_id=group_id, rollout_id=f"{id_prefix}{k}", sampling_params=sampling) for k in range(n)]
 
 
 @dataclass
@@ -52,9 +58,7 @@ class RolloutPool:
         epoch, prompt = self.stream.next()
         gid = self.next_group_id
         self.next_group_id += 1
-        tasks = [Task(prompt=prompt.messages, label=prompt.label, tools=prompt.tools, prompt_index=prompt.index,
-                      group_id=gid, rollout_id=f"g{gid}-s{k}", sampling_params=self.sampling)
-                 for k in range(self.cfg.rollout.n_samples_per_prompt)]
+        tasks = group_tasks(prompt, gid, self.cfg.rollout.n_samples_per_prompt, self.sampling, f"g{gid}-s")
         agent = self.agents[gid % len(self.agents)]
         group = Group(gid, epoch, prompt.index, self.version)
         task = asyncio.ensure_future(self._run(agent, tasks))

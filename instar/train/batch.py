@@ -94,15 +94,15 @@ def collate(samples: list[Sample], indices: list[int], extras: Extras | None = N
     t = torch.arange(T)
     lengths_t = torch.tensor(lengths)
     fields = {
-        "token_ids": _pad([torch.tensor(s.token_ids) for s in rows], T),
-        "action_mask": _pad([torch.tensor(s.action_mask, dtype=torch.bool) for s in rows], T),
-        "rollout_logprobs": _pad([torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in rows], T),
-        "versions": _pad([torch.tensor(s.versions) for s in rows], T),
+        "token_ids": right_pad([torch.tensor(s.token_ids) for s in rows], T),
+        "action_mask": right_pad([torch.tensor(s.action_mask, dtype=torch.bool) for s in rows], T),
+        "rollout_logprobs": right_pad([torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in rows], T),
+        "versions": right_pad([torch.tensor(s.versions) for s in rows], T),
         "lengths": lengths_t,
     }
     for name, values in (extras or {}).items():
         vals = [values[i] for i in indices]
-        fields[name] = torch.stack(vals) if vals[0].dim() == 0 else _pad(vals, T)
+        fields[name] = torch.stack(vals) if vals[0].dim() == 0 else right_pad(vals, T)
     recorded = all(s.routed_experts is not None for s in rows)
     routes = torch.cat([s.routed_experts for s in rows]).to(device) if recorded else None
     return MicroBatch(
@@ -116,7 +116,10 @@ def collate(samples: list[Sample], indices: list[int], extras: Extras | None = N
     )
 
 
-def _pad(seqs: list[Tensor], length: int) -> Tensor:
+def right_pad(seqs: list[Tensor], length: int | None = None) -> Tensor:
+    """1-D tensors as one ``[B, length]`` tensor of their dtype, zero-filled on the right (``length``
+    defaults to the longest)."""
+    length = max(len(s) for s in seqs) if length is None else length
     out = torch.zeros((len(seqs), length), dtype=seqs[0].dtype)
     for b, s in enumerate(seqs):
         out[b, : len(s)] = s

@@ -114,9 +114,12 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
 
 def packing_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
     """Where the sequences of a packed row ``[1, N]`` start (``position_ids`` restart at 0), in the
-    varlen form that `packed_attention` and transformers' flash-attention path both read."""
-    starts = (position_ids[0] == 0).nonzero().flatten()
-    cu = torch.cat([starts, starts.new_tensor([position_ids.shape[1]])]).to(torch.int32)
+    varlen form that `packed_attention` and transformers' flash-attention path both read. The bounds
+    are on the host: `packed_attention` reads them in every layer, which on a GPU tensor would be a
+    device sync per layer."""
+    pos = position_ids[0].cpu()
+    starts = (pos == 0).nonzero().flatten()
+    cu = torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max())
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
@@ -132,7 +135,12 @@ def forward_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torc
 
 def _bounds_for(model: nn.Module, position_ids: torch.Tensor) -> dict[str, Any]:
     impl = str(getattr(model.config, "_attn_implementation", ""))
-    return packing_kwargs(position_ids) if impl == PACKED or impl.startswith("flash_attention") else {}
+    if impl == PACKED:
+        return packing_kwargs(position_ids)
+    if impl.startswith("flash_attention"):  # its varlen kernel takes the bounds on the device
+        return {k: v.to(position_ids.device) if torch.is_tensor(v) else v
+                for k, v in packing_kwargs(position_ids).items()}
+    return {}
 
 
 def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,

@@ -79,10 +79,12 @@ def _sft_rank(rank: int, world: int, port: int, cfg: SFTConfig) -> dict[str, flo
     if held_out and start == 0:
         _log(out, rank, {"step": 0, "eval/loss": eval_loss(worker, held_out)})
     try:
+        order: list[int] = []
         for step in range(start, total):
             epoch, k = divmod(step, steps_per_epoch)
-            order = list(range(len(train)))
-            random.Random(cfg.actor.seed + epoch).shuffle(order)
+            if k == 0 or not order:  # an epoch's order, drawn once (also when resuming mid-epoch)
+                order = list(range(len(train)))
+                random.Random(cfg.actor.seed + epoch).shuffle(order)
             batch = [train[i] for i in order[k * cfg.sft.batch_size:(k + 1) * cfg.sft.batch_size]]
             metrics = {"step": step + 1, "epoch": epoch, **worker.train_step(_mine(batch, rank, world), sft_loss)}
             last = step + 1 == total
