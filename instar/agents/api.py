@@ -7,12 +7,18 @@ Two forms, same names as Molt's so a Molt agent module runs after changing its i
   the action called a tool). ``AgentRunner = StepEnvRunner(MyEnv)``.
 * ``ChatAgent``: the agent owns the loop and talks to the policy through the stock OpenAI or
   Anthropic SDK pointed at ``ctx.base_url`` / ``ctx.session_url``. ``AgentRunner = ChatAgentRunner(MyAgent)``.
+
+``AgentRunner`` may also be a runner subclass whose ``__init__`` takes no arguments, as Molt documents it
+(``class AgentRunner(ChatAgentRunner): def __init__(self): super().__init__(MyAgent)``); it is
+instantiated once. A plain synchronous ``gymnasium.Env`` with text observations and actions runs through
+``GymEnvRunner(MyGymEnv)`` (instar/agents/gym.py), an adapter onto the same env loop.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib.util
+import inspect
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +58,9 @@ class Env:
     async def step(self, state: dict) -> Result:
         """Score ``state["action_text"]``; a non-terminated result's observation is the next turn."""
         raise NotImplementedError(f"{type(self).__name__} must define `async def step(self, state) -> Result`")
+
+    async def close(self) -> None:
+        """Called once when the rollout ends, however it ends (error and timeout included): free resources."""
 
 
 @dataclass
@@ -95,7 +104,14 @@ class StepEnvRunner:
         self.env_class = env_class
 
     async def rollout(self, task: Task, messages: list[Message], session: Any) -> Result:
-        env, transcript = self.env_class(), session.transcript
+        env = self.env_class()
+        try:
+            return await self._run(env, task, messages, session)
+        finally:
+            await env.close()
+
+    async def _run(self, env: Env, task: Task, messages: list[Message], session: Any) -> Result:
+        transcript = session.transcript
         tools = task.tools or self.env_class.tools
         state = {"observation_text": _last_user_text(messages), "action_text": "", "label": task.label,
                  "sampling_params": task.sampling_params, "messages": messages, "turn": 0, "api_key": session.api_key,
@@ -168,7 +184,17 @@ def load_agent(path: str) -> StepEnvRunner | ChatAgentRunner:
     if runner is None:
         raise AgentLoadError(f"{path} defines no AgentRunner; add `AgentRunner = StepEnvRunner(YourEnv)` or "
                              f"`AgentRunner = ChatAgentRunner(YourChatAgent)`")
-    if not isinstance(runner, (StepEnvRunner, ChatAgentRunner)):
-        raise AgentLoadError(f"{path}: AgentRunner must be StepEnvRunner(YourEnv) or ChatAgentRunner(YourChatAgent), "
+    runners = (StepEnvRunner, ChatAgentRunner)  # GymEnvRunner is a StepEnvRunner
+    if isinstance(runner, type) and issubclass(runner, runners):  # Molt's form: a subclass, built here
+        try:
+            inspect.signature(runner).bind()
+        except TypeError as e:
+            raise AgentLoadError(f"{path}: AgentRunner class {runner.__name__} cannot be built without arguments "
+                                 f"({e}); give it `def __init__(self): super().__init__(YourClass)` or set "
+                                 f"`AgentRunner = {runner.__name__}(YourClass)`") from None
+        runner = runner()
+    if not isinstance(runner, runners):
+        raise AgentLoadError(f"{path}: AgentRunner must be StepEnvRunner(YourEnv), ChatAgentRunner(YourChatAgent), "
+                             f"GymEnvRunner(YourGymEnv) or such a runner subclass whose __init__ takes no arguments, "
                              f"got {runner!r} of type {type(runner).__name__}")
     return runner
