@@ -318,3 +318,17 @@ async def test_wrong_key_unknown_session_and_bad_bodies_get_each_protocols_error
         for c in (bad, gone, bad_a, good):
             await c.close()
     assert session.transcript.segments == []
+
+
+@pytest.mark.asyncio
+async def test_accepted_connections_have_tcp_nodelay():
+    """Without TCP_NODELAY, Nagle + the client's delayed ACK hold every response on a kept-alive
+    connection ~40 ms (bench/chat_latency.py measures it)."""
+    import socket
+
+    async with ChatServer(engine=None, tokenizer=None, model_name="tiny", max_len=64, max_new_tokens=8) as server:
+        async with httpx.AsyncClient(base_url=server.root) as http:
+            assert (await http.get("/v1/models")).status_code == 200
+            [conn] = server._server.server_state.connections
+            sock = conn.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1

@@ -39,6 +39,41 @@ def test_buckets_round_trip_exactly_with_names_mapped():
     assert stats["weight_sync/buckets"] == 3  # [a], [b], [c, d]
 
 
+def test_mixed_dtypes_strided_and_cast_tensors_round_trip_twice_through_one_kept_buffer():
+    # "a" is 6 bytes: packed unaligned, "b" could not be viewed as float32 on the receiver
+    first = [("a", torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16)),
+             ("b", torch.arange(6, dtype=torch.float32).reshape(2, 3).t()),  # strided
+             ("c", torch.tensor(7)), ("d", torch.linspace(0, 1, 100))]
+    second = [(n, t * 2 - 1) for n, t in first]
+    port, stats = free_port(), []
+
+    def sender():
+        group = open_sync_group("127.0.0.1", port, 0, 2)
+        stats.append(send_weights(iter(first), group, bucket_mb=256 / 2**20))
+        stats.append(send_weights(iter(second), group, bucket_mb=256 / 2**20, dtype=torch.bfloat16))
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    group = open_sync_group("127.0.0.1", port, 1, 2)
+    got_first = [(name, t.clone()) for name, t in receive_weights(group, reuse_buffer=True)]
+    pointers, got_second = set(), []
+    for name, t in receive_weights(group, reuse_buffer=True):  # copied before the next bucket overwrites it
+        pointers.add(t.untyped_storage().data_ptr())
+        got_second.append((name, t.clone()))
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert [n for n, _ in got_first] == [n for n, _ in got_second] == ["a", "b", "c", "d"]
+    for (_, t), (_, g) in zip(first, got_first):
+        assert g.dtype == t.dtype and torch.equal(g, t)
+    for (_, t), (_, g) in zip(second, got_second):
+        assert g.dtype == torch.bfloat16 and torch.equal(g, t.to(torch.bfloat16))
+    # buckets of 256 bytes, tensors at 64-byte offsets: [a, b, c] at 0, 64, 128, then [d] alone
+    assert [(s["weight_sync/bytes"], s["weight_sync/buckets"]) for s in stats] == [(6 + 24 + 8 + 400, 2),
+                                                                                  (6 + 12 + 2 + 200, 2)]
+    # the second sync landed in the buffer the first one left in the group (400 bytes: "d" in fp32)
+    assert pointers == {group.buffer.untyped_storage().data_ptr()} and group.buffer.numel() == 400
+
+
 def test_engine_names_drop_wrapper_prefixes():
     assert hf_name("model.layers.0._checkpoint_wrapped_module.mlp._orig_mod.up_proj.weight") == \
         "model.layers.0.mlp.up_proj.weight"
@@ -53,8 +88,9 @@ def _trainer_job(rank, world, port, model_dir, sync_port, prompts, inbox, outbox
     samples = [Sample(p + [7, 8, 9], [0] * len(p) + [1, 1, 1], [0.0] * len(p) + [-1.0] * 3,
                       [-1] * len(p) + [0] * 3) for p in prompts]
     adv = [torch.full((len(s.token_ids),), 1.0) for s in samples]
-    w.train_step(samples, partial(rl_loss, RLConfig(), 0.0), {"advantages": adv,
-                                                               "old_logprobs": w.compute_logprobs(samples)})
+    cfg = RLConfig()  # token-level truncated IS: the samples' rollout logprobs are made up
+    cfg.algo.advantage.is_correction_level, cfg.algo.advantage.is_correction_mode = "token", "trunc"
+    w.train_step(samples, partial(rl_loss, cfg, 0.0), {"advantages": adv})
     w.open_weight_sync("127.0.0.1", sync_port, 2)
     stats = w.send_weights(bucket_mb=0.05)
     # plain lists: a queued tensor lives in this process's shared memory, gone once the rank exits
@@ -78,7 +114,7 @@ def test_engine_logprobs_equal_the_trainers_after_a_sync(tiny_model_dir):
         before = await engine.generate(prompts[0], SamplingParams(max_tokens=6, seed=0))
         group = open_sync_group("127.0.0.1", sync_port, 1, 2)
         await engine.pause("keep")
-        await engine.update_weights(receive_weights(group), version=1)
+        await engine.update_weights(receive_weights(group, reuse_buffer=True), version=1)
         await engine.resume()
         gens = [await engine.generate(p, SamplingParams(max_tokens=6, seed=0)) for p in prompts]
         await engine.close()

@@ -80,7 +80,9 @@ class ChatServer:
         self._task: asyncio.Task | None = None
 
     async def __aenter__(self) -> ChatServer:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on accepted sockets whose proto says TCP
+        # (proto 0 inherits), and without it Nagle + delayed ACK hold each response ~40 ms.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.root = f"http://127.0.0.1:{sock.getsockname()[1]}"

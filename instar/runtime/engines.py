@@ -78,7 +78,8 @@ class EngineActor:
         if hasattr(self.engine, "receive_weights"):
             await self.engine.receive_weights(receive_weights, version)
         else:
-            await self.engine.update_weights(receive_weights(self.group), version)
+            # the embedded engine copies each tensor before asking for the next: one bucket buffer, reused
+            await self.engine.update_weights(receive_weights(self.group, reuse_buffer=True), version)
 
     async def close(self) -> None:
         if hasattr(self.engine, "close"):
