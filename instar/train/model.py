@@ -37,16 +37,36 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
 
 
-def _attention_for(path: str) -> str:
-    """`packed_attention`, registered with transformers, unless the model uses a sliding window."""
+def attention_for(path: str, choice: str = "auto") -> str:
+    """The transformers ``attn_implementation`` for ``--fsdp.attn_implementation`` (see its help):
+    "packed" is `packed_attention`, registered with transformers; "flex_attention" is transformers' own,
+    which finds the packed row's sequences in the restarting ``position_ids`` and builds one
+    document-causal BlockMask per forward, shared by all layers. "auto" picks flex_attention on a GPU
+    and, on CPU (where FlexAttention has no backward), packed unless the model uses a sliding window,
+    then sdpa. A kernel that cannot run here is an error that names the fix."""
     from transformers import AttentionInterface, AutoConfig
     AttentionInterface.register(PACKED, packed_attention)  # no mask function: transformers then builds none
-    return "sdpa" if getattr(AutoConfig.from_pretrained(path), "sliding_window", None) else PACKED
+    gpu = torch.cuda.is_available()
+    if choice == "auto":
+        if gpu:
+            return "flex_attention"
+        return "sdpa" if getattr(AutoConfig.from_pretrained(path), "sliding_window", None) else PACKED
+    if choice == "packed":
+        return PACKED
+    if choice == "flex_attention" and not gpu:
+        raise ValueError("--fsdp.attn_implementation flex_attention needs a CUDA GPU (PyTorch's FlexAttention "
+                         "has no backward on CPU); use packed (or auto) on CPU")
+    if choice == "flash_attention_2":
+        import importlib.util
+        if importlib.util.find_spec("flash_attn") is None or not gpu:
+            raise ValueError("--fsdp.attn_implementation flash_attention_2 needs a CUDA GPU and the flash-attn "
+                             "package (pip install flash-attn); use packed (or auto) otherwise")
+    return choice
 
 
-def load_model(path: str, dtype: str = "float32", backend: str = "hf") -> nn.Module:
+def load_model(path: str, dtype: str = "float32", backend: str = "hf", attn: str = "auto") -> nn.Module:
     """A causal LM from an HF checkpoint directory, in train mode. ``backend="automodel"`` loads it
-    with NVIDIA NeMo AutoModel (GPU, optional) instead of transformers."""
+    with NVIDIA NeMo AutoModel (GPU, optional) instead of transformers; ``attn``: `attention_for`."""
     if backend == "automodel":
         try:
             from nemo_automodel import NeMoAutoModelForCausalLM
@@ -57,7 +77,7 @@ def load_model(path: str, dtype: str = "float32", backend: str = "hf") -> nn.Mod
     elif backend == "hf":
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype],
-                                                     attn_implementation=_attention_for(path))
+                                                     attn_implementation=attention_for(path, attn))
     else:
         raise ValueError(f"unknown model backend {backend!r}; use 'hf' or 'automodel'")
     model.config.use_cache = False  # training never decodes; a KV cache would only cost memory
@@ -85,9 +105,9 @@ class ValueModel(nn.Module):
         return self.value_head(hidden).float().sum(-1)  # not squeeze: FSDP warns on a view as module output
 
 
-def load_value_model(path: str, dtype: str = "float32") -> ValueModel:
+def load_value_model(path: str, dtype: str = "float32", attn: str = "auto") -> ValueModel:
     from transformers import AutoModel
-    trunk = AutoModel.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=_attention_for(path))
+    trunk = AutoModel.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attention_for(path, attn))
     trunk.config.use_cache = False
     return ValueModel(trunk).train()
 

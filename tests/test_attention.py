@@ -1,0 +1,66 @@
+"""Attention over packed rows: transformers' FlexAttention (one document-causal BlockMask per forward,
+found from the restarting position_ids) equals instar's per-sequence `packed_attention`, and
+``--fsdp.attn_implementation auto`` picks it only where it can train (a CUDA GPU)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from instar.contract import Sample
+from instar.train.batch import collate
+from instar.train.model import attention_for, forward_logits, load_model, next_token_logprobs
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+NO_CPU_BACKWARD = ("flex gradients are checked on a CUDA GPU only: on CPU torch raises 'NotImplementedError: "
+                   "FlexAttention does not support backward on CPU. Please set the input requires_grad to False "
+                   "or use another device.'")
+# Sequences longer than FlexAttention's 128-token blocks, so the BlockMask has full, partial and empty blocks.
+LENGTHS = [150, 9, 200, 30, 4]
+
+
+def make_sample(n: int, seed: int) -> Sample:
+    ids = torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    mask = [0] * (n // 2) + [1] * (n - n // 2)
+    return Sample(ids, mask, [-1.0 if m else 0.0 for m in mask], [0 if m else -1 for m in mask])
+
+
+def row_logprobs(model, mb) -> torch.Tensor:
+    logp, _ = next_token_logprobs(forward_logits(model, mb.input_ids, mb.position_ids), mb.input_ids)
+    return mb.unpack(logp)
+
+
+def test_flex_logprobs_equal_packed_attention(tiny_model_dir):
+    packed = load_model(tiny_model_dir, attn="packed").to(DEVICE)
+    # On CPU load_model refuses flex (no backward there); its forward runs, so load it directly.
+    flex = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="flex_attention").to(DEVICE)
+    mb = collate([make_sample(n, i) for i, n in enumerate(LENGTHS)], list(range(len(LENGTHS))), device=DEVICE)
+    with torch.no_grad():
+        want, got = row_logprobs(packed, mb), row_logprobs(flex, mb)
+        # The same row read as one sequence (attention across the packed samples) is far off: the
+        # comparison above can fail.
+        mb.position_ids = torch.arange(mb.num_tokens, device=DEVICE)[None]
+        mixed = row_logprobs(flex, mb)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert (mixed - want).abs().max() > 1e-2
+
+
+@pytest.mark.skipif(not GPU, reason=NO_CPU_BACKWARD)
+def test_flex_gradients_equal_packed_attention(tiny_model_dir):
+    packed = load_model(tiny_model_dir, attn="packed").to(DEVICE)
+    flex = load_model(tiny_model_dir, attn="flex_attention").to(DEVICE)
+    assert flex.config._attn_implementation == "flex_attention"
+    mb = collate([make_sample(n, i) for i, n in enumerate(LENGTHS)], list(range(len(LENGTHS))), device=DEVICE)
+    for model in (packed, flex):
+        row_logprobs(model, mb).sum().backward()
+    for (name, a), b in zip(packed.named_parameters(), flex.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_auto_picks_flex_only_on_gpu(tiny_model_dir):
+    assert attention_for(tiny_model_dir, "auto") == ("flex_attention" if GPU else "instar_packed")
+    if GPU:
+        assert attention_for(tiny_model_dir, "flex_attention") == "flex_attention"
+    else:
+        with pytest.raises(ValueError, match="flex_attention needs a CUDA GPU .* use packed \\(or auto\\) on CPU"):
+            attention_for(tiny_model_dir, "flex_attention")
