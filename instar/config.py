@@ -73,10 +73,12 @@ class AdvantageConfig:
     """Discount factor (reinforce, gae)."""
     lam: float = 0.95
     """GAE lambda."""
-    is_correction_level: Literal["off", "token", "seq", "geo"] = "token"
-    """Importance-sampling correction of rollout vs trainer logprobs: per token, or a sequence gate."""
-    is_correction_mode: Literal["mask", "clip", "trunc"] = "trunc"
-    """What to do outside the band: mask the token, clip the weight into the band, or truncate above."""
+    is_correction_level: Literal["off", "token", "seq", "geo"] = "geo"
+    """Importance-sampling correction of rollout vs trainer logprobs: per token, or a sequence gate (seq: the
+    product of the token ratios; geo: their geometric mean). Default geo with mode mask, as in Molt."""
+    is_correction_mode: Literal["mask", "clip", "trunc"] = "mask"
+    """What to do outside the band: mask the token (the whole sequence for seq/geo), clip the weight into the
+    band, or truncate above (token level only)."""
     is_correction_threshold: tuple[float, float] = (0.5, 2.0)
     """Band [low, high] of the importance ratio exp(trainer_logprob - rollout_logprob)."""
 
@@ -135,14 +137,16 @@ class DataConfig:
 class RolloutConfig:
     """Generation: how many prompts and samples, and how they are sampled."""
 
-    engine: Literal["embedded", "vllm"] = "embedded"
-    """Rollout engine backend: embedded (in-process PyTorch, CPU default) or vllm."""
+    engine: Literal["auto", "embedded", "vllm"] = "auto"
+    """Rollout engine backend: embedded (in-process PyTorch), vllm, or auto: vllm when it is importable and a
+    GPU is present, else embedded (the run logs which)."""
     batch_size: int = 8
     """Prompt groups per optimizer step."""
     n_samples_per_prompt: int = 8
     """Samples per prompt (the group size of group estimators)."""
-    vllm_generate_batch_size: int = 16
-    """Prompt groups kept in flight by the streaming pool."""
+    vllm_generate_batch_size: int | None = None
+    """Prompt groups kept in flight by the streaming pool; None: as many as the staleness bound allows
+    (--rollout.batch_size x (--train.async_queue_size + 1), or --rollout.batch_size in sync mode)."""
     temperature: float = 1.0
     """Sampling temperature."""
     top_p: float = 1.0
@@ -195,6 +199,17 @@ class FSDPConfig:
     """Compute dtype of FSDP2's mixed-precision policy (params reduce in float32)."""
     activation_checkpointing: bool = False
     """Recompute decoder-layer activations in backward to save memory."""
+    attn_implementation: Literal["auto", "packed", "sdpa", "eager", "flash_attention_2", "flex_attention"] = "auto"
+    """Trainer attention over packed rows: packed (one causal SDPA call per sequence, no mask), flash_attention_2
+    (varlen kernel; needs the flash-attn package and a GPU), flex_attention (a document mask, PyTorch's
+    FlexAttention; GPU only: it has no backward on CPU), sdpa / eager (transformers' own, with a block-diagonal
+    mask), or auto (flex_attention on a GPU; on CPU packed, or sdpa for a model with a sliding window)."""
+    tp_size: int = 1
+    """Tensor parallelism of the trainer (not built yet: must be 1)."""
+    ep_size: int = 1
+    """Expert parallelism of the trainer's MoE layers (not built yet: must be 1)."""
+    cp_size: int = 1
+    """Context parallelism of the trainer (not built yet: must be 1)."""
 
 
 @dataclass
@@ -213,6 +228,12 @@ class TrainConfig:
     """Sync weights with in-flight requests paused (kept), then resume them."""
     agent_timeout: float = 600.0
     """Seconds one rollout may take in user code before it is dropped."""
+    batch_size: int | None = None
+    """Samples (trajectories) per optimizer update: each rollout batch (--rollout.batch_size x
+    --rollout.n_samples_per_prompt samples) is split into that many mini-batches, one update each, and the
+    weights go to the engines once per rollout batch. None: one update per rollout batch."""
+    max_epochs: int = 1
+    """Passes over each rollout batch's mini-batches (reshuffled every pass)."""
     max_tokens_per_gpu: int = 16384
     """Token budget of one trainer micro-batch (packed, no padding)."""
     routing_replay: bool = False
@@ -326,61 +347,4 @@ class SFTConfig:
 
 
 class ConfigError(ValueError):
-    """An invalid or incompatible combination of settings; the message names the fix."""
-
-
-GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "grpo", "dr_grpo")
-
-
-def check(cfg: RLConfig) -> None:
-    """Reject settings that cannot work together, before anything starts."""
-    adv, actor = cfg.algo.advantage, cfg.actor
-    low, high = adv.is_correction_threshold
-    if not 0 <= low < 1 < high:
-        raise ConfigError("--algo.advantage.is_correction_threshold must satisfy 0 <= low < 1 < high, "
-                          f"got {low} {high}")
-    if adv.is_correction_level in ("seq", "geo") and adv.is_correction_mode != "mask":
-        raise ConfigError(f"--algo.advantage.is_correction_level {adv.is_correction_level} is a sequence gate and "
-                          f"needs --algo.advantage.is_correction_mode mask (got {adv.is_correction_mode})")
-    if adv.estimator in GROUP_ESTIMATORS and cfg.rollout.n_samples_per_prompt < 2:
-        raise ConfigError(f"--algo.advantage.estimator {adv.estimator} compares samples of one prompt; "
-                          f"set --rollout.n_samples_per_prompt >= 2 (got {cfg.rollout.n_samples_per_prompt})")
-    async_run = not cfg.train.force_sync_mode and (cfg.train.async_queue_size > 0 or cfg.train.partial_rollout_enable)
-    if async_run and adv.is_correction_level == "off":
-        raise ConfigError("async or partial rollout trains on off-policy tokens; set "
-                          "--algo.advantage.is_correction_level token (or seq/geo), or use --train.force_sync_mode")
-    if cfg.train.force_sync_mode and cfg.train.partial_rollout_enable:
-        raise ConfigError("--train.partial_rollout_enable contradicts --train.force_sync_mode; drop one of them")
-    if adv.estimator == "on_policy_distill" and cfg.algo.kl.coef > 0:
-        raise ConfigError("--algo.advantage.estimator on_policy_distill uses the reference as teacher; "
-                          "set --algo.kl.coef 0")
-    if cfg.algo.dynamic_filter is not None and not cfg.algo.dynamic_filter[0] < cfg.algo.dynamic_filter[1]:
-        raise ConfigError(f"--algo.dynamic_filter needs low < high, got {cfg.algo.dynamic_filter}")
-    if actor.dual_clip is not None and actor.dual_clip <= 1:
-        raise ConfigError(f"--actor.dual_clip must be > 1, got {actor.dual_clip}")
-    _check_algo(cfg)
-    if cfg.rollout.vllm_generate_batch_size < cfg.rollout.batch_size:
-        raise ConfigError(f"--rollout.vllm_generate_batch_size ({cfg.rollout.vllm_generate_batch_size}) must be >= "
-                          f"--rollout.batch_size ({cfg.rollout.batch_size}) or a step can never fill")
-
-
-def _check_algo(cfg: RLConfig) -> None:
-    """The algorithm's own combinations (instar/algo)."""
-    adv, kl, actor = cfg.algo.advantage, cfg.algo.kl, cfg.actor
-    low, high = actor.eps_clip_low_high
-    if not (0 <= low < 1 and high >= 0):
-        raise ConfigError(f"--actor.eps_clip_low_high must satisfy 0 <= low < 1 and high >= 0, got {low} {high}")
-    if actor.dual_clip is not None and actor.loss_mode == "cispo":
-        raise ConfigError("--actor.dual_clip caps the PPO/GSPO surrogate; cispo has none: unset --actor.dual_clip")
-    if not (0 < adv.gamma <= 1 and 0 <= adv.lam <= 1):
-        raise ConfigError(f"--algo.advantage.gamma must be in (0, 1] and --algo.advantage.lam in [0, 1], "
-                          f"got {adv.gamma} {adv.lam}")
-    if kl.use_in == "reward" and kl.coef > 0 and adv.estimator not in ("reinforce", "gae"):
-        raise ConfigError(f"--algo.kl.use_in reward only shapes token rewards of reinforce / gae; set --algo.kl.use_in "
-                          f"loss for --algo.advantage.estimator {adv.estimator}")
-    if kl.coef < 0 or (kl.target is not None and kl.target <= 0) or kl.horizon < 1:
-        raise ConfigError(f"--algo.kl.coef must be >= 0, --algo.kl.target > 0 (or unset), --algo.kl.horizon >= 1; "
-                          f"got {kl.coef} {kl.target} {kl.horizon}")
-    if kl.target is not None and kl.coef == 0:
-        raise ConfigError("--algo.kl.target adapts the coefficient multiplicatively from --algo.kl.coef, which is 0; "
-                          "set --algo.kl.coef > 0 (the starting value)")
+    """An invalid or incompatible combination of settings; the message names the fix (see `instar.checks`)."""

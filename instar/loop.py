@@ -1,7 +1,8 @@
 """The RL loop. Read this file first.
 
-    batch of finished prompt groups -> filter -> trainer logprobs (+ reference, critic) -> advantages
-    -> policy (and critic) step -> weight sync to the engines -> ledger, metrics -> checkpoint -> eval
+    batch of finished prompt groups -> filter -> reference / critic passes (and the policy's own, when
+    the advantages need it) -> advantages -> policy (and critic) updates, one per mini-batch of
+    --train.batch_size samples -> weight sync to the engines -> ledger, metrics -> checkpoint -> eval
 
 Generation never waits for training except at the staleness bound (`RolloutPool`); with
 `--train.force_sync_mode` the pool refills only after the weight sync, which makes every step
@@ -18,7 +19,8 @@ from functools import partial
 from pathlib import Path
 
 from instar.algo import KLController
-from instar.config import ConfigError, RLConfig, check
+from instar.checks import check
+from instar.config import ConfigError, RLConfig
 from instar.contract import SamplingParams, Trajectory, write_jsonl
 from instar.data.prompts import PromptStream, load_prompts
 from instar.runtime import batching
@@ -92,16 +94,21 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
             # Trainer logprobs of the distribution the engine sampled from (temperature applied), unless
             # the engine reports raw ones: the IS ratio compares the two.
             temp = r.temperature if cfg.vllm.logprobs_mode == "processed" else 1.0
-            old = await cluster.trainer.compute_logprobs(rows.samples, temp)
+            # A separate pre-update pass only when the advantages need it; otherwise the trainer takes
+            # the "old" logprobs from its first update's own forward.
+            old = await cluster.trainer.compute_logprobs(rows.samples, temp) if batching.needs_old(cfg) else None
             ref = await cluster.trainer.compute_logprobs(rows.samples, temp, "ref") if cluster.has_ref else None
             values = await cluster.trainer.compute_values(rows.samples) if cluster.has_critic else None
             t_logp = time.perf_counter()
             adv, returns, adv_metrics = batching.advantages(cfg, rows, old, ref, values, kl.value)
-            extras = {"advantages": adv, "old_logprobs": old, **({"ref_logprobs": ref} if ref else {})}
-            metrics |= await cluster.trainer.train_step(rows.samples, partial(batching.rl_loss, cfg, kl.value), extras,
-                                                        temp)
+            updates = batching.mini_batches(rows, cfg, step)
+            extras = {"advantages": adv, **({"old_logprobs": old} if old else {}),
+                      **({"ref_logprobs": ref} if ref else {})}
+            loss_fn = partial(batching.rl_loss, cfg, kl.value)
+            stats = await cluster.trainer.train_policy(rows.samples, loss_fn, extras, temp, updates)
+            metrics |= stats.metrics
             if values is not None:
-                metrics |= await cluster.critic_step(rows.samples, values, returns)
+                metrics |= await cluster.critic_step(rows.samples, values, returns, updates)
             t_train = time.perf_counter()
             step += 1
             metrics |= await cluster.sync_weights(step, keep_in_flight=cfg.train.partial_rollout_enable)
@@ -109,7 +116,8 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
             if cfg.train.force_sync_mode:
                 pool.fill()
             t_sync = time.perf_counter()
-            kl.update(metrics.get("actor/kl_loss", 0.0), len(rows.trajectories))
+            if stats.ref_kl is not None:
+                kl.update(stats.ref_kl, len(rows.trajectories))
             mark(stream, out, step, kept, "trained")
             mark(stream, out, step, [g for g in groups if all(g is not k for k in kept)], "filtered")
             if cfg.train.rollout_dump_dir:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from instar.algo import check_is_correction, is_weights, policy_loss
-from instar.config import AdvantageConfig, ConfigError, RLConfig, check
+from instar.checks import check
+from instar.config import AdvantageConfig, ConfigError, RLConfig
 
 # ratio = exp(old - rollout) per token, band [0.5, 2]. Column 3 is padding holding a huge ratio.
 #   row A: [1, 1, 3]     product 3 (out)   geometric mean 3^(1/3) = 1.44 (in)

@@ -80,7 +80,7 @@ def test_entropy_bonus_and_kl_loss():
     loss.backward()
     # surrogate 0 (A = 0); entropy mean 1 -> -0.1; k3 = [0, (2 - 1) - log 2] -> mean (1 - log 2)/2, times 0.5
     assert m["entropy"].item() == 1.0
-    assert m["kl_loss"].item() == pytest.approx((1 - math.log(2)) / 2)
+    assert m["ref_kl"].item() == pytest.approx((1 - math.log(2)) / 2)
     assert loss.item() == pytest.approx(-0.1 + 0.5 * (1 - math.log(2)) / 2)
     torch.testing.assert_close(ent.grad, torch.tensor([[-0.05, -0.05]]))
     # d k3 / d lp = 1 - r with r = p_ref / p = [1, 2]: [0, -1], times 0.5 / 2

@@ -4,7 +4,7 @@ import torch
 
 from instar.config import RLConfig
 from instar.contract import Sample, Trajectory
-from instar.runtime.batching import rollout_metrics, select, to_rows
+from instar.runtime.batching import mini_batches, rollout_metrics, select, to_rows
 from instar.runtime.pool import Group
 
 
@@ -47,3 +47,28 @@ def test_rollout_metrics_staleness_and_lengths():
     assert m["reward"] == 0.5 and m["response_length"] == 2.0
     assert m["staleness_max"] == 2.0  # the oldest token of the first trajectory came from version 3
     assert m["staleness/2"] == 0.5 and m["staleness/0"] == 0.5
+
+
+def test_mini_batches_deal_whole_trajectories_into_updates():
+    # 4 trajectories (the first two have 2 segments): rows 0-1, 2-3, 4, 5
+    groups = [Group(0, 0, 0, 0, [traj(1.0, segments=2), traj(0.5, segments=2)]),
+              Group(1, 0, 1, 0, [traj(0.0), traj(1.0)])]
+    rows = to_rows(groups)
+    cfg = RLConfig()
+    cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt = 2, 2
+    assert mini_batches(rows, cfg, step=0) == [[0, 1, 2, 3, 4, 5]]  # default: one update, no shuffle
+    cfg.train.batch_size = 2  # 4 samples / 2 = 2 updates
+    updates = mini_batches(rows, cfg, step=0)
+    assert len(updates) == 2 and sorted(sum(updates, [])) == [0, 1, 2, 3, 4, 5]
+    by_traj = {0: {0, 1}, 1: {2, 3}, 2: {4}, 3: {5}}
+    for u in updates:  # whole trajectories, two per update
+        assert sum(by_traj[t] <= set(u) for t in by_traj) == 2 and set(u) == set().union(
+            *(by_traj[t] for t in by_traj if by_traj[t] <= set(u)))
+    assert mini_batches(rows, cfg, step=0) == updates  # seeded: a resumed step deals the same way
+    assert any(mini_batches(rows, cfg, step=s) != updates for s in range(1, 6))  # and differently per step
+    cfg.train.max_epochs = 3
+    epochs = mini_batches(rows, cfg, step=0)
+    assert len(epochs) == 6 and epochs[:2] == updates
+    assert all(sorted(sum(epochs[e:e + 2], [])) == [0, 1, 2, 3, 4, 5] for e in (0, 2, 4))
+    cfg.fsdp.num_ranks = 3  # 4 trajectories cannot feed 2 updates x 3 ranks: one update, every rank fed
+    assert len(mini_batches(rows, cfg, step=0)) == 3

@@ -1,12 +1,14 @@
 """Configuration: dataclasses -> dotted flags and YAML recipes, overrides, type checks, guard rails."""
 
 import dataclasses
+import re
 import typing
 
 import pytest
 
+from instar.checks import check, choose_engine, in_flight_groups
 from instar.cli.main import build_parser, parse
-from instar.config import ConfigError, RLConfig, check
+from instar.config import ConfigError, RLConfig
 
 RECIPE = """
 actor:
@@ -93,6 +95,11 @@ def test_help_lists_every_flag_with_its_doc():
     ({"algo.advantage.is_correction_threshold": (1.5, 2.0)}, "0 <= low < 1 < high"),
     ({"rollout.vllm_generate_batch_size": 2}, "a step can never fill"),
     ({"actor.dual_clip": 0.5}, "--actor.dual_clip must be > 1"),
+    ({"train.batch_size": 24}, "must divide the rollout batch of 64 samples"),  # 8 prompts x 8 samples
+    ({"train.batch_size": 1, "fsdp.num_ranks": 2}, r"use one of [2, 4, 8, 16, 32, 64]"),
+    ({"train.max_epochs": 0}, "--train.max_epochs must be >= 1"),
+    ({"fsdp.tp_size": 2}, "Set --fsdp.tp_size 1"),
+    ({"rollout.engine": "embedded", "vllm.tensor_parallel_size": 2}, "set --vllm.tensor_parallel_size 1"),
 ])
 def test_incompatible_combinations_name_the_fix(changes, fragment):
     cfg = RLConfig()
@@ -102,8 +109,33 @@ def test_incompatible_combinations_name_the_fix(changes, fragment):
         for p in parents:
             obj = getattr(obj, p)
         setattr(obj, leaf, value)
-    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
         check(cfg)
+
+
+def test_engine_choice_and_what_it_cannot_honour():
+    cfg = RLConfig()
+    assert choose_engine(cfg, gpu=True, vllm_installed=True) == "vllm"
+    assert choose_engine(cfg, gpu=True, vllm_installed=False) == "embedded"
+    assert choose_engine(cfg, gpu=False, vllm_installed=True) == "embedded"
+    cfg.vllm.tensor_parallel_size = 2
+    assert choose_engine(cfg, gpu=True, vllm_installed=True) == "vllm"
+    with pytest.raises(ConfigError, match=re.escape("(--rollout.engine auto chose it: no GPU); set "
+                                                    "--vllm.tensor_parallel_size 1")):
+        choose_engine(cfg, gpu=False, vllm_installed=True)
+    cfg.rollout.engine = "vllm"
+    assert choose_engine(cfg, gpu=False, vllm_installed=False) == "vllm"  # named: vLLM says what it lacks
+
+
+def test_in_flight_groups_follow_the_staleness_bound():
+    cfg = RLConfig()  # 8 prompt groups a step, one version ahead
+    assert in_flight_groups(cfg) == 16
+    cfg.train.async_queue_size = 3
+    assert in_flight_groups(cfg) == 32
+    cfg.train.force_sync_mode = True
+    assert in_flight_groups(cfg) == 8
+    cfg.rollout.vllm_generate_batch_size = 12
+    assert in_flight_groups(cfg) == 12
 
 
 def test_off_policy_correction_off_is_fine_when_strictly_sync():

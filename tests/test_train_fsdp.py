@@ -14,12 +14,12 @@ from instar.config import ActorConfig, CriticConfig, FSDPConfig, RLConfig, Train
 from instar.contract import Sample
 from instar.runtime.batching import critic_loss, rl_loss
 from instar.train import checkpoint
-from instar.train.batch import shard_samples
 from instar.train.launch import free_port, run_ranks
 from instar.train.worker import TrainWorker
 
 LENGTHS = [7, 12, 5, 9, 3, 10, 4]
-RL = RLConfig()  # ppo, token-level IS correction, no KL
+RL = RLConfig()  # ppo, no KL; token-level truncated IS (the samples' rollout logprobs are made up)
+RL.algo.advantage.is_correction_level, RL.algo.advantage.is_correction_mode = "token", "trunc"
 LOSS = partial(rl_loss, RL, 0.0)
 
 
@@ -40,11 +40,9 @@ def _worker(model_dir, rank, world, port, max_tokens, **kwargs) -> TrainWorker:
 
 
 def _rl_step(w: TrainWorker) -> dict[str, float]:
-    """One on-policy PPO step on this rank's share of SAMPLES (advantage +1 / -1 by sample)."""
-    mine = shard_samples(LENGTHS, w.world_size)[w.rank]
-    samples = [SAMPLES[i] for i in mine]
-    adv = [torch.full((LENGTHS[i],), 1.0 if i % 2 else -1.0) for i in mine]
-    return w.train_step(samples, LOSS, {"advantages": adv, "old_logprobs": w.compute_logprobs(samples)})
+    """One on-policy PPO step on SAMPLES (advantage +1 / -1 by sample); each rank takes its share."""
+    adv = [torch.full((n,), 1.0 if i % 2 else -1.0) for i, n in enumerate(LENGTHS)]
+    return w.train_step(SAMPLES, LOSS, {"advantages": adv})
 
 
 def _full_state(w: TrainWorker) -> dict[str, torch.Tensor]:
@@ -60,8 +58,9 @@ def _one_rank_job(rank, world, port, model_dir):
     returns = [torch.full((n,), 0.5) for n in LENGTHS]
     values = w.compute_values(SAMPLES)
     out["values0"] = values
-    out["critic"] = [w.critic_step(SAMPLES, partial(critic_loss, RL), {"old_values": w.compute_values(SAMPLES),
-                                                                        "returns": returns}) for _ in range(3)]
+    out["critic"] = [w.train_critic(SAMPLES, partial(critic_loss, RL), {"old_values": w.compute_values(SAMPLES),
+                                                                         "returns": returns}).metrics
+                     for _ in range(3)]
     out["split"] = {}
     for max_tokens in (12, 64):  # the same batch as 5 micro-batches or as 1
         w2 = _worker(model_dir, rank, world, port, max_tokens)

@@ -41,7 +41,7 @@ def test_two_rank_ray_group(ray_cluster, tiny_model_dir, tmp_path):
         try:
             logprobs = await group.compute_logprobs(samples)
             extras = {"advantages": [torch.full((len(s.token_ids),), 1.0) for s in samples], "old_logprobs": logprobs}
-            metrics = await group.train_step(samples, partial(rl_loss, cfg, 0.0), extras)
+            metrics = (await group.train_policy(samples, partial(rl_loss, cfg, 0.0), extras)).metrics
             path = await group.save(str(tmp_path), {"data_position": 5}, 2)
             extra = await group.load(path)
         finally:

@@ -15,7 +15,9 @@ Metrics are shares too (0-d tensors): sum each over micro-batches and ranks to g
   policy_kl          mean of old_logprob - logprob (k1 estimate of KL(old || new))
   vllm_kl            mean of rollout_logprob - old_logprob (engine vs trainer, invariant 3)
   is_filter_ratio    fraction of action tokens dropped by IS correction
-  entropy, kl_loss   when an entropy tensor / the KL loss is in play
+  entropy            when an entropy tensor is given
+  ref_kl             mean KL(policy || reference) estimate per action token, when ref_logprobs are given
+                     (added to the loss times the coefficient with --algo.kl.use_in loss)
 
 NaN safety: every input is passed through `torch.where(action_mask, x, 0)` first and every dropped
 token's loss through `torch.where(keep, loss, 0)`, and ratios are exp of a clamped log-ratio, so a
@@ -122,12 +124,13 @@ def policy_loss(cfg: RLConfig, logprobs: Tensor, old_logprobs: Tensor, rollout_l
         loss = loss - actor.entropy_coef * ent
         metrics["entropy"] = ent.detach()
     coef = kl.coef if kl_coef is None else kl_coef
-    if kl.use_in == "loss" and coef > 0:
-        if ref_logprobs is None:
-            raise ValueError("--algo.kl.use_in loss with --algo.kl.coef > 0 needs ref_logprobs (the reference model)")
-        kl_loss = share(kl_penalty(lp, clean(ref_logprobs.detach()), kl.estimator))
-        loss = loss + coef * kl_loss
-        metrics["kl_loss"] = kl_loss.detach()
+    if kl.use_in == "loss" and coef > 0 and ref_logprobs is None:
+        raise ValueError("--algo.kl.use_in loss with --algo.kl.coef > 0 needs ref_logprobs (the reference model)")
+    if ref_logprobs is not None:  # measured whatever --algo.kl.use_in: the adaptive controller reads it
+        ref_kl = share(kl_penalty(lp, clean(ref_logprobs.detach()), kl.estimator))
+        metrics["ref_kl"] = ref_kl.detach()
+        if kl.use_in == "loss" and coef > 0:
+            loss = loss + coef * ref_kl
     return loss, metrics
 
 

@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 from jsonargparse import ArgumentParser, Namespace, set_parsing_settings
 
-from instar.config import ConfigError, RLConfig, SFTConfig, check
+from instar.checks import check
+from instar.config import ConfigError, RLConfig, SFTConfig
 from instar.data.tiny_model import TinySpec, build_tiny_model
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)

@@ -6,6 +6,7 @@ segment order, as the estimators require.
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from dataclasses import dataclass
 
@@ -69,18 +70,50 @@ def to_rows(groups: list[Group]) -> Rows:
                 torch.tensor(traj_index), trajs)
 
 
-def advantages(cfg: RLConfig, rows: Rows, old_logprobs: list[Tensor], ref_logprobs: list[Tensor] | None,
+def advantages(cfg: RLConfig, rows: Rows, old_logprobs: list[Tensor] | None, ref_logprobs: list[Tensor] | None,
                values: list[Tensor] | None, kl_coef: float) -> tuple[list[Tensor], list[Tensor] | None, dict]:
     """Per-sample advantages (and gae returns), cut back to each sample's length."""
     mask = right_pad([torch.tensor(s.action_mask, dtype=torch.bool) for s in rows.samples])
     x = AdvantageInputs(action_mask=mask, rewards=rows.rewards, group_index=rows.group_index,
-                        traj_index=rows.traj_index, old_logprobs=right_pad(old_logprobs),
+                        traj_index=rows.traj_index, old_logprobs=right_pad(old_logprobs) if old_logprobs else None,
                         ref_logprobs=right_pad(ref_logprobs) if ref_logprobs else None,
                         values=right_pad(values) if values else None, kl_coef=kl_coef)
     adv, returns, metrics = compute_advantages(cfg.algo, x)
     lengths = [len(s.token_ids) for s in rows.samples]
     cut = [adv[b, :n] for b, n in enumerate(lengths)]
     return cut, ([returns[b, :n] for b, n in enumerate(lengths)] if returns is not None else None), metrics
+
+
+def needs_old(cfg: RLConfig) -> bool:
+    """Whether the advantages need the policy's pre-update logprobs (KL in the reward, distillation)."""
+    kl = cfg.algo.kl
+    return cfg.algo.advantage.estimator == "on_policy_distill" or (kl.use_in == "reward" and kl.coef > 0)
+
+
+def updates_per_batch(cfg: RLConfig) -> int:
+    """Optimizer updates per rollout batch and epoch: --train.batch_size splits the configured batch."""
+    total = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    return total // cfg.train.batch_size if cfg.train.batch_size else 1
+
+
+def mini_batches(rows: Rows, cfg: RLConfig, step: int) -> list[list[int]]:
+    """The updates of one step as row indices: per epoch the trajectories are shuffled (seeded by
+    --actor.seed, the step and the epoch) and dealt into `updates_per_batch` mini-batches, a
+    trajectory's segments kept together. A batch that lost trajectories (dropped, filtered) keeps
+    the number of updates with smaller mini-batches, down to one trajectory per trainer rank."""
+    n = len(rows.trajectories)
+    k = max(1, min(updates_per_batch(cfg), n // cfg.fsdp.num_ranks))
+    by_traj: list[list[int]] = [[] for _ in range(n)]
+    for row, t in enumerate(rows.traj_index.tolist()):
+        by_traj[t].append(row)
+    out = []
+    for epoch in range(cfg.train.max_epochs):
+        order = list(range(n))
+        if k > 1 or epoch > 0:
+            random.Random(f"{cfg.actor.seed}-{step}-{epoch}").shuffle(order)
+        bounds = [n * j // k for j in range(k + 1)]
+        out += [sorted(r for t in order[a:b] for r in by_traj[t]) for a, b in zip(bounds, bounds[1:])]
+    return out
 
 
 def rl_loss(cfg: RLConfig, kl_coef: float, logprobs: Tensor, entropy: Tensor,

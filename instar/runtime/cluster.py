@@ -4,6 +4,7 @@ dedicated weight-sync group from trainer rank 0 to every engine."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import time
 from functools import partial
@@ -12,6 +13,7 @@ from typing import Any
 
 import ray
 
+from instar.checks import choose_engine
 from instar.config import RLConfig
 from instar.contract import SamplingParams, write_jsonl
 from instar.data.prompts import load_prompts
@@ -50,14 +52,18 @@ class Cluster:
         model = cfg.actor.model_name_or_path
         replay = bool(cfg.train.rollout_replay_dir)  # training from a dump: no engines, no agents
         gpu = ray.cluster_resources().get("GPU", 0) > 0
-        vllm, tp = cfg.rollout.engine == "vllm", cfg.vllm.tensor_parallel_size
+        engine = choose_engine(cfg, gpu, importlib.util.find_spec("vllm") is not None)
+        if not replay:
+            print(f"instar: rollout engine {engine} (--rollout.engine {cfg.rollout.engine}, "
+                  f"{'a GPU' if gpu else 'no GPU'} in the Ray cluster)", flush=True)
+        vllm, tp = engine == "vllm", cfg.vllm.tensor_parallel_size
         if vllm:
             from instar.engines.vllm import check_engine_config
 
             check_engine_config(cfg.vllm, "cuda" if gpu else "cpu", cfg.train.routing_replay)
         per_engine = tp if vllm else 1  # weight-sync ranks per engine: one per tensor-parallel worker
         actor = EngineActor.options(num_cpus=0, num_gpus=1 if vllm and gpu and tp == 1 else 0)
-        self.engines = [] if replay else [actor.remote(model, cfg.rollout.engine, cfg.vllm, cfg.train.routing_replay)
+        self.engines = [] if replay else [actor.remote(model, engine, cfg.vllm, cfg.train.routing_replay)
                                           for _ in range(cfg.vllm.num_engines)]
         self.agents = [] if replay else [AgentActor.options(num_cpus=0).remote(
             cfg.train.agent_path, model, self.engines, max_len=cfg.data.max_len,
@@ -88,9 +94,10 @@ class Cluster:
         await asyncio.gather(*(e.resume.remote() for e in self.engines))
         return results[0]
 
-    async def critic_step(self, samples: list, values: list, returns: list) -> dict[str, float]:
+    async def critic_step(self, samples: list, values: list, returns: list, updates: list[list[int]]
+                          ) -> dict[str, float]:
         extras = {"old_values": values, "returns": returns}
-        return await self.trainer.critic_step(samples, partial(critic_loss, self.cfg), extras)
+        return (await self.trainer.train_critic(samples, partial(critic_loss, self.cfg), extras, updates)).metrics
 
     async def metrics(self) -> dict[str, float]:
         """Agent-runner counts (cumulative); engine and agent-actor use since the previous call."""

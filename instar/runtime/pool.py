@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from instar.agents.api import Task
+from instar.checks import in_flight_groups
 from instar.config import RLConfig
 from instar.contract import SamplingParams, Trajectory, read_jsonl
 from instar.data.prompts import Prompt, PromptStream
@@ -47,11 +48,11 @@ class RolloutPool:
         self.auto_refill = not cfg.train.force_sync_mode
         r = cfg.rollout
         self.ahead = r.batch_size if cfg.train.force_sync_mode else r.batch_size * (cfg.train.async_queue_size + 1)
+        self.limit = in_flight_groups(cfg)
 
     def fill(self) -> None:
         """Launch groups up to the in-flight and run-ahead limits."""
-        r = self.cfg.rollout
-        while len(self.in_flight) < r.vllm_generate_batch_size and len(self.in_flight) + len(self.done) < self.ahead:
+        while len(self.in_flight) < self.limit and len(self.in_flight) + len(self.done) < self.ahead:
             self._launch()
 
     def _launch(self) -> None:

@@ -1,5 +1,7 @@
 """The trainer ranks as Ray actors: one ``TrainWorker`` per rank, and a group object whose async
-methods fan each call out to every rank (splitting the samples by tokens) and gather the answers.
+methods fan each call out to every rank and gather the answers. Logprob and value passes split the
+samples by tokens; a training batch goes to every rank whole (once, through the object store), and
+each rank takes its share of each update.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from instar.config import RLConfig, SFTConfig
 from instar.contract import Sample
 from instar.train.batch import Extras, shard_samples
 from instar.train.launch import free_port
-from instar.train.worker import LossFn, TrainWorker, ValueLossFn
+from instar.train.worker import LossFn, TrainStats, TrainWorker, ValueLossFn
 
 
 class _Rank(TrainWorker):
@@ -23,6 +25,15 @@ class _Rank(TrainWorker):
         if "OMP_NUM_THREADS" in os.environ:  # Ray workers ignore it for torch's intra-op pool otherwise
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         super().__init__(*args, **kwargs)
+
+    def policy_batch(self, batch: tuple, loss_fn: LossFn, temperature: float, updates: list[list[int]] | None
+                    ) -> TrainStats:
+        samples, extras = batch
+        return self.train_policy(samples, loss_fn, extras, temperature, updates)
+
+    def critic_batch(self, batch: tuple, loss_fn: ValueLossFn, updates: list[list[int]] | None) -> TrainStats:
+        samples, extras = batch
+        return self.train_critic(samples, loss_fn, extras, updates)
 
     def address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), free_port()
@@ -51,15 +62,9 @@ class TrainerGroup:
                 for i, r in enumerate(self.ranks)]
         return [await ref for ref in refs]
 
-    def _split(self, samples: list[Sample], extras: Extras | None) -> tuple[list[list[int]], list[tuple]]:
-        shards = shard_samples([len(s.token_ids) for s in samples], len(self.ranks))
-        args = [([samples[i] for i in shard], {k: [v[i] for i in shard] for k, v in (extras or {}).items()})
-                for shard in shards]
-        return shards, args
-
     async def _per_sample(self, method: str, samples: list[Sample], *rest: Any) -> list[Tensor]:
-        shards, args = self._split(samples, None)
-        results = await self._all(method, *[(a[0], *rest) for a in args])
+        shards = shard_samples([len(s.token_ids) for s in samples], len(self.ranks))
+        results = await self._all(method, *[([samples[i] for i in shard], *rest) for shard in shards])
         out: list[Tensor] = [torch.empty(0)] * len(samples)
         for shard, values in zip(shards, results):
             for i, v in zip(shard, values):
@@ -74,16 +79,17 @@ class TrainerGroup:
     async def compute_values(self, samples: list[Sample]) -> list[Tensor]:
         return await self._per_sample("compute_values", samples)
 
-    async def train_step(self, samples: list[Sample], loss_fn: LossFn, extras: Extras | None = None,
-                         temperature: float = 1.0) -> dict[str, float]:
-        """One policy optimizer step over the whole batch; the metrics are global (rank 0's copy)."""
-        _, args = self._split(samples, extras)
-        return (await self._all("train_step", *[(s, loss_fn, e, temperature) for s, e in args]))[0]
+    async def train_policy(self, samples: list[Sample], loss_fn: LossFn, extras: Extras | None = None,
+                    temperature: float = 1.0, updates: list[list[int]] | None = None) -> TrainStats:
+        """The policy's updates on this batch (see ``TrainWorker.train_policy``); the batch is stored once in
+        the object store and every rank reads it; the metrics are global (rank 0's copy)."""
+        batch = ray.put((samples, extras))
+        return (await self._all("policy_batch", (batch, loss_fn, temperature, updates)))[0]
 
-    async def critic_step(self, samples: list[Sample], loss_fn: ValueLossFn,
-                          extras: Extras | None = None) -> dict[str, float]:
-        _, args = self._split(samples, extras)
-        return (await self._all("critic_step", *[(s, loss_fn, e) for s, e in args]))[0]
+    async def train_critic(self, samples: list[Sample], loss_fn: ValueLossFn, extras: Extras | None = None,
+                           updates: list[list[int]] | None = None) -> TrainStats:
+        batch = ray.put((samples, extras))
+        return (await self._all("critic_batch", (batch, loss_fn, updates)))[0]
 
     async def open_weight_sync(self, master_addr: str, master_port: int, world_size: int,
                                device: str | None = None) -> None:

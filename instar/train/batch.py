@@ -28,7 +28,7 @@ class MicroBatch:
     gather: Tensor  # [B, T] row position whose next-token value belongs to token t
     valid: Tensor  # [B, T] bool: 1 <= t < length of sample b
     fields: dict[str, Tensor]  # [B, T] / [B] loss inputs: token_ids, action_mask, rollout_logprobs, ...
-    indices: list[int]  # position of each row sample in the caller's list
+    indices: list[int]  # each row sample's index in the caller's list (see `collate`'s names)
     routed_experts: Tensor | None = None  # [N, moe_layers, top_k] for routing replay, when every sample has it
 
     @property
@@ -85,8 +85,10 @@ def shard_samples(lengths: list[int], world_size: int) -> list[list[int]]:
 
 
 def collate(samples: list[Sample], indices: list[int], extras: Extras | None = None,
-            device: str = "cpu") -> MicroBatch:
-    """One packed row of ``samples[indices]`` plus their ``[B, T]`` loss inputs."""
+            device: str = "cpu", names: list[int] | None = None) -> MicroBatch:
+    """One packed row of ``samples[indices]`` plus their ``[B, T]`` loss inputs. ``names[i]`` is sample
+    i's index in the lists of ``extras`` and in ``MicroBatch.indices`` (default: ``i``)."""
+    names = [names[i] for i in indices] if names is not None else list(indices)
     rows = [samples[i] for i in indices]
     lengths = [len(s.token_ids) for s in rows]
     T = max(lengths)
@@ -101,7 +103,7 @@ def collate(samples: list[Sample], indices: list[int], extras: Extras | None = N
         "lengths": lengths_t,
     }
     for name, values in (extras or {}).items():
-        vals = [values[i] for i in indices]
+        vals = [values[i] for i in names]
         fields[name] = torch.stack(vals) if vals[0].dim() == 0 else right_pad(vals, T)
     recorded = all(s.routed_experts is not None for s in rows)
     routes = torch.cat([s.routed_experts for s in rows]).to(device) if recorded else None
@@ -111,7 +113,7 @@ def collate(samples: list[Sample], indices: list[int], extras: Extras | None = N
         gather=(offsets[:, None] + t[None] - 1).clamp(0, sum(lengths) - 1).to(device),
         valid=((t[None] >= 1) & (t[None] < lengths_t[:, None])).to(device),
         fields={k: v.to(device) for k, v in fields.items()},
-        indices=list(indices),
+        indices=names,
         routed_experts=routes,
     )
 

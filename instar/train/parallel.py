@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,3 +70,12 @@ def all_reduce(values: list[float], op: str = "sum") -> list[float]:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return t.cpu().tolist()
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable, small: e.g. a few per-sample tensors), in rank order."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

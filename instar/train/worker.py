@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,11 +22,21 @@ from torch import Tensor, nn
 from instar.config import ActorConfig, CriticConfig, FSDPConfig, TrainConfig
 from instar.contract import Sample
 from instar.train import checkpoint, weight_sync
-from instar.train.batch import Extras, MicroBatch, collate, plan_micro_batches
+from instar.train.batch import Extras, MicroBatch, collate, plan_micro_batches, right_pad, shard_samples
 from instar.train.model import forward_logits, load_model, load_tokenizer, load_value_model, next_token_logprobs
 from instar.train.moe import freeze_routers, replay_routes
 from instar.train.optim import build_optimizer, build_scheduler
-from instar.train.parallel import all_reduce, apply_fsdp, build_mesh, device_type, init_distributed
+from instar.train.parallel import all_gather_objects, all_reduce, apply_fsdp, build_mesh, device_type, init_distributed
+
+
+@dataclass
+class TrainStats:
+    """What a training call reports: its metrics (``actor/...``, means over the updates) and, for the KL
+    controller, the measured KL to the reference on action tokens (None without a reference)."""
+
+    metrics: dict[str, float]
+    ref_kl: float | None = None
+
 
 LossFn = Callable[[Tensor, Tensor, dict[str, Tensor]], tuple[Tensor, dict[str, Any]]]
 """Policy loss: ``(logprobs [B,T], entropy [B,T], micro_batch fields) -> (loss, metrics)``. The loss is
@@ -49,7 +60,7 @@ class TrainWorker:
         torch.manual_seed(self.actor.seed)
         mesh = build_mesh(self.fsdp)
         a = self.actor
-        self.policy = load_model(a.model_name_or_path, a.dtype, a.model_backend)
+        self.policy = load_model(a.model_name_or_path, a.dtype, a.model_backend, self.fsdp.attn_implementation)
         if a.freeze_moe_router:
             freeze_routers(self.policy)
         apply_fsdp(self.policy, mesh, self.fsdp)
@@ -57,11 +68,13 @@ class TrainWorker:
         self.scheduler = build_scheduler(self.optimizer, a.lr_warmup_steps, self.train.max_steps, a.lr_scheduler)
         self.ref = None
         if self.ref_path:
-            self.ref = load_model(self.ref_path, a.dtype, a.model_backend).requires_grad_(False)
+            self.ref = load_model(self.ref_path, a.dtype, a.model_backend, self.fsdp.attn_implementation)
+            self.ref.requires_grad_(False)
             apply_fsdp(self.ref, mesh, self.fsdp)
         self.critic = None
         if self.critic_cfg is not None:
-            self.critic = load_value_model(self.critic_cfg.model_name_or_path or a.model_name_or_path, a.dtype)
+            self.critic = load_value_model(self.critic_cfg.model_name_or_path or a.model_name_or_path, a.dtype,
+                                           self.fsdp.attn_implementation)
             apply_fsdp(self.critic, mesh, self.fsdp)
             self.critic_optimizer = build_optimizer(self.critic, self.critic_cfg.learning_rate, a.adam_betas,
                                                     a.weight_decay)
@@ -70,15 +83,18 @@ class TrainWorker:
 
     # ---- forward passes -------------------------------------------------------------------------
 
-    def _micro_batches(self, samples: list[Sample], extras: Extras | None) -> Iterator[tuple[MicroBatch, bool]]:
+    def _micro_batches(self, samples: list[Sample], extras: Extras | None = None,
+                       indices: list[int] | None = None) -> Iterator[tuple[MicroBatch, bool]]:
         """Packed micro-batches, padded with repeats (flagged ``True``) to the largest count on any
-        rank: FSDP gathers parameters collectively, so every rank must run as many passes."""
+        rank: FSDP gathers parameters collectively, so every rank must run as many passes. ``indices``
+        name the samples in the lists of ``extras`` (default: their position)."""
         plan = plan_micro_batches([len(s.token_ids) for s in samples], self.train.max_tokens_per_gpu)
         if not plan:
             raise ValueError(f"trainer rank {self.rank} got no samples; give every rank at least one")
         count = int(all_reduce([len(plan)], op="max")[0])
         for k in range(count):
-            yield collate(samples, plan[min(k, len(plan) - 1)], extras, self.device), k >= len(plan)
+            mb = collate(samples, plan[min(k, len(plan) - 1)], extras, self.device, indices)
+            yield mb, k >= len(plan)
 
     def _replay(self, model: nn.Module, mb: MicroBatch):
         if not self.train.routing_replay or model is not self.policy:
@@ -119,55 +135,101 @@ class TrainWorker:
 
     # ---- optimizer steps ------------------------------------------------------------------------
 
-    def train_step(self, samples: list[Sample], loss_fn: LossFn, extras: Extras | None = None,
-                   temperature: float = 1.0) -> dict[str, float]:
-        """One optimizer step of the policy on this rank's samples; returns global metrics."""
+    def train_policy(self, samples: list[Sample], loss_fn: LossFn, extras: Extras | None = None,
+                     temperature: float = 1.0, updates: list[list[int]] | None = None) -> TrainStats:
+        """Optimizer updates of the policy, one per entry of ``updates`` (index lists into ``samples``;
+        default: one update over all of them). ``samples`` and ``extras`` are the whole batch, the same on
+        every rank; each rank takes its token-balanced share of each update.
+
+        "Old" logprobs (the policy before the first update, the denominator of the PPO ratio) come from
+        ``extras["old_logprobs"]`` when given. Otherwise the first update uses its own forward, detached
+        (ratio exactly 1, no extra pass), and only samples used later get a no-grad pass first."""
+        updates = updates or [list(range(len(samples)))]
+        extras = dict(extras or {})
+        old: list[Tensor | None] = extras.pop("old_logprobs", None) or [None] * len(samples)
+        later = sorted(set().union(*updates[1:]) - set(updates[0])) if len(updates) > 1 else []
+        captured: dict[int, Tensor] = {}  # this rank's old logprobs, shared with the others after update 0
+        if later and any(old[i] is None for i in later):
+            mine = self._share(samples, later)
+            captured.update(zip(mine, self.compute_logprobs([samples[i] for i in mine], temperature)))
+
         def loss_of(mb: MicroBatch) -> tuple[Tensor, dict[str, Any]]:
             logits = forward_logits(self.policy, mb.input_ids, mb.position_ids)
             logp, entropy = next_token_logprobs(logits, mb.input_ids, temperature)
-            return loss_fn(mb.unpack(logp), mb.unpack(entropy), mb.fields)
-        return self._step(self.policy, self.optimizer, self.scheduler, samples, extras, loss_of, "actor")
+            logp = mb.unpack(logp)
+            if old[mb.indices[0]] is None:  # the first update: its own forward is the old policy
+                mb.fields["old_logprobs"] = logp.detach()
+                captured.update(zip(mb.indices, mb.split(logp)))
+            else:
+                mb.fields["old_logprobs"] = right_pad([old[i] for i in mb.indices], logp.shape[1]).to(self.device)
+            return loss_fn(logp, mb.unpack(entropy), mb.fields)
 
-    def critic_step(self, samples: list[Sample], loss_fn: ValueLossFn,
-                    extras: Extras | None = None) -> dict[str, float]:
-        """One optimizer step of the critic (extras: old_values, returns); returns global metrics."""
+        def after_first_update() -> None:  # later updates (and epochs) compare against the same old policy
+            if len(updates) > 1:
+                for part in all_gather_objects(captured):
+                    for i, lp in part.items():
+                        old[i] = lp
+        return self._updates(self.policy, self.optimizer, self.scheduler, samples, extras, updates, loss_of, "actor",
+                             after_first_update)
+
+    def train_step(self, samples: list[Sample], loss_fn: LossFn, extras: Extras | None = None,
+                   temperature: float = 1.0) -> dict[str, float]:
+        """One update on all of ``samples`` (the same on every rank); its metrics."""
+        return self.train_policy(samples, loss_fn, extras, temperature).metrics
+
+    def train_critic(self, samples: list[Sample], loss_fn: ValueLossFn, extras: Extras | None = None,
+                     updates: list[list[int]] | None = None) -> TrainStats:
+        """Critic updates (extras: old_values, returns), split like `train_policy`."""
         def loss_of(mb: MicroBatch) -> tuple[Tensor, dict[str, Any]]:
             return loss_fn(mb.unpack(self.critic(mb.input_ids, mb.position_ids)[0]), mb.fields)
-        return self._step(self.critic, self.critic_optimizer, self.critic_scheduler, samples, extras, loss_of, "critic")
+        return self._updates(self.critic, self.critic_optimizer, self.critic_scheduler, samples, extras or {},
+                             updates or [list(range(len(samples)))], loss_of, "critic")
 
-    def _step(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, samples: list[Sample],
-              extras: Extras | None, loss_of: Callable, prefix: str) -> dict[str, float]:
-        start = time.perf_counter()
-        global_tokens = all_reduce([sum(s.num_actions for s in samples)])[0]
-        optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        passes = 0
-        for mb, repeat in self._micro_batches(samples, extras):
-            mb.fields["global_num_action_tokens"] = torch.tensor(global_tokens, device=self.device)
-            with self._replay(model, mb):
-                loss, metrics = loss_of(mb)
-                # FSDP averages gradients over ranks, but each rank's loss is already its share of the
-                # global token sum: scale by world size so the reduced gradient is the global mean's.
-                (loss * (0.0 if repeat else float(self.world_size))).backward()
-            if not repeat:
-                passes += 1
-                for k, v in {"loss": loss, **metrics}.items():
-                    sums[k] = sums.get(k, 0.0) + float(v.detach() if isinstance(v, Tensor) else v)
-        clip = self.actor.max_grad_norm if self.actor.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    def _share(self, samples: list[Sample], indices: list[int]) -> list[int]:
+        """This rank's part of ``indices``: the same token-balanced split on every rank."""
+        shards = shard_samples([len(samples[i].token_ids) for i in indices], self.world_size)
+        return [indices[k] for k in shards[self.rank]]
+
+    def _updates(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, samples: list[Sample],
+                 extras: Extras, updates: list[list[int]], loss_of: Callable, prefix: str,
+                 after_first: Callable[[], None] | None = None) -> TrainStats:
+        start, clip = time.perf_counter(), self.actor.max_grad_norm if self.actor.max_grad_norm > 0 else float("inf")
         lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        scheduler.step()
+        per_update: list[dict[str, float]] = []
+        for u, update in enumerate(updates):
+            mine = self._share(samples, update)
+            global_tokens = sum(samples[i].num_actions for i in update)
+            optimizer.zero_grad(set_to_none=True)
+            sums: dict[str, float] = {}
+            for mb, repeat in self._micro_batches([samples[i] for i in mine], extras, mine):
+                mb.fields["global_num_action_tokens"] = torch.tensor(global_tokens, device=self.device)
+                with self._replay(model, mb):
+                    loss, metrics = loss_of(mb)
+                    # FSDP averages gradients over ranks, but each rank's loss is already its share of the
+                    # global token sum: scale by world size so the reduced gradient is the global mean's.
+                    (loss * (0.0 if repeat else float(self.world_size))).backward()
+                if not repeat:
+                    sums["micro_batches"] = sums.get("micro_batches", 0.0) + 1
+                    for k, v in {"loss": loss, **metrics}.items():
+                        sums[k] = sums.get(k, 0.0) + float(v.detach() if isinstance(v, Tensor) else v)
+            grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            optimizer.step()
+            names = sorted(sums)
+            totals = all_reduce([sums.get(k, 0.0) for k in names])
+            per_update.append({**dict(zip(names, totals)), "grad_norm": float(grad_norm)})
+            if u == 0 and after_first is not None:
+                after_first()
+        scheduler.step()  # the schedule counts rollout batches (RL steps), not mini-batch updates
         if model is self.policy:
             self.step += 1
-        names = sorted(sums)
-        totals = all_reduce([sums[k] for k in names] + [passes, len(samples)])
-        out = {f"{prefix}/{k}": v for k, v in zip(names, totals)}
-        out.update({f"{prefix}/grad_norm": float(grad_norm), f"{prefix}/lr": lr,
-                    f"{prefix}/micro_batches": totals[-2], f"{prefix}/samples": totals[-1],
-                    f"{prefix}/action_tokens": global_tokens, f"{prefix}/step_time": time.perf_counter() - start})
-        return out
+        mean = {k: sum(m.get(k, 0.0) for m in per_update) / len(per_update) for k in per_update[0]}
+        out = {f"{prefix}/{k}": v for k, v in mean.items()}
+        out.update({f"{prefix}/lr": lr, f"{prefix}/updates": float(len(updates)),
+                    f"{prefix}/samples": float(len(samples)),
+                    f"{prefix}/action_tokens": float(sum(s.num_actions for s in samples)),
+                    f"{prefix}/step_time": time.perf_counter() - start})
+        return TrainStats(out, ref_kl=mean.get("ref_kl"))
 
     # ---- weight sync, checkpoints, export --------------------------------------------------------
 

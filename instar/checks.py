@@ -1,0 +1,113 @@
+"""Which settings work together: `check` rejects incompatible combinations before anything starts,
+with a message that names the fix; `in_flight_groups` and `choose_engine` derive what a flag leaves open.
+
+Layer 0 (stdlib only), beside config.py.
+"""
+
+from __future__ import annotations
+
+from instar.config import ConfigError, RLConfig
+
+GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "grpo", "dr_grpo")
+
+
+def check(cfg: RLConfig) -> None:
+    """Reject settings that cannot work together, before anything starts."""
+    adv, actor = cfg.algo.advantage, cfg.actor
+    low, high = adv.is_correction_threshold
+    if not 0 <= low < 1 < high:
+        raise ConfigError("--algo.advantage.is_correction_threshold must satisfy 0 <= low < 1 < high, "
+                          f"got {low} {high}")
+    if adv.is_correction_level in ("seq", "geo") and adv.is_correction_mode != "mask":
+        raise ConfigError(f"--algo.advantage.is_correction_level {adv.is_correction_level} is a sequence gate and "
+                          f"needs --algo.advantage.is_correction_mode mask (got {adv.is_correction_mode})")
+    if adv.estimator in GROUP_ESTIMATORS and cfg.rollout.n_samples_per_prompt < 2:
+        raise ConfigError(f"--algo.advantage.estimator {adv.estimator} compares samples of one prompt; "
+                          f"set --rollout.n_samples_per_prompt >= 2 (got {cfg.rollout.n_samples_per_prompt})")
+    async_run = not cfg.train.force_sync_mode and (cfg.train.async_queue_size > 0 or cfg.train.partial_rollout_enable)
+    if async_run and adv.is_correction_level == "off":
+        raise ConfigError("async or partial rollout trains on off-policy tokens; set "
+                          "--algo.advantage.is_correction_level token (or seq/geo), or use --train.force_sync_mode")
+    if cfg.train.force_sync_mode and cfg.train.partial_rollout_enable:
+        raise ConfigError("--train.partial_rollout_enable contradicts --train.force_sync_mode; drop one of them")
+    if adv.estimator == "on_policy_distill" and cfg.algo.kl.coef > 0:
+        raise ConfigError("--algo.advantage.estimator on_policy_distill uses the reference as teacher; "
+                          "set --algo.kl.coef 0")
+    if cfg.algo.dynamic_filter is not None and not cfg.algo.dynamic_filter[0] < cfg.algo.dynamic_filter[1]:
+        raise ConfigError(f"--algo.dynamic_filter needs low < high, got {cfg.algo.dynamic_filter}")
+    if actor.dual_clip is not None and actor.dual_clip <= 1:
+        raise ConfigError(f"--actor.dual_clip must be > 1, got {actor.dual_clip}")
+    _check_algo(cfg)
+    _check_batches(cfg)
+
+
+def _check_batches(cfg: RLConfig) -> None:
+    """Rollout batch, in-flight groups, mini-batches, trainer layout."""
+    r, t, fsdp = cfg.rollout, cfg.train, cfg.fsdp
+    if r.vllm_generate_batch_size is not None and r.vllm_generate_batch_size < r.batch_size:
+        raise ConfigError(f"--rollout.vllm_generate_batch_size ({r.vllm_generate_batch_size}) must be >= "
+                          f"--rollout.batch_size ({r.batch_size}) or a step can never fill "
+                          "(leave it unset to derive it)")
+    total = r.batch_size * r.n_samples_per_prompt
+    if t.batch_size is not None and not (fsdp.num_ranks <= t.batch_size <= total and total % t.batch_size == 0):
+        divisors = [d for d in range(fsdp.num_ranks, total + 1) if total % d == 0]
+        raise ConfigError(f"--train.batch_size {t.batch_size} must divide the rollout batch of {total} samples "
+                          f"(--rollout.batch_size {r.batch_size} x --rollout.n_samples_per_prompt "
+                          f"{r.n_samples_per_prompt}) and be >= --fsdp.num_ranks {fsdp.num_ranks}; "
+                          f"use one of {divisors}, or leave it unset for one update per batch")
+    if t.max_epochs < 1:
+        raise ConfigError(f"--train.max_epochs must be >= 1, got {t.max_epochs}")
+    if cfg.rollout.engine == "embedded":  # named explicitly: its limits are known before Ray starts
+        choose_engine(cfg, gpu=False, vllm_installed=False)
+    for name in ("tp_size", "ep_size", "cp_size"):
+        if getattr(fsdp, name) != 1:
+            raise ConfigError(f"--fsdp.{name} {getattr(fsdp, name)}: tensor, expert and context parallelism are not "
+                              f"built yet; the trainer is data-parallel (--fsdp.num_ranks). Set --fsdp.{name} 1")
+
+
+def in_flight_groups(cfg: RLConfig) -> int:
+    """Prompt groups the streaming pool keeps in flight (--rollout.vllm_generate_batch_size, or derived)."""
+    r, t = cfg.rollout, cfg.train
+    if r.vllm_generate_batch_size is not None:
+        return r.vllm_generate_batch_size
+    return r.batch_size if t.force_sync_mode else r.batch_size * (t.async_queue_size + 1)
+
+
+def choose_engine(cfg: RLConfig, gpu: bool, vllm_installed: bool) -> str:
+    """The rollout engine --rollout.engine names (auto: vllm with a GPU and vllm installed, else
+    embedded); settings the chosen engine cannot honour are a ConfigError."""
+    engine = cfg.rollout.engine
+    if engine == "auto":
+        engine = "vllm" if gpu and vllm_installed else "embedded"
+    if engine == "embedded":
+        v, why = cfg.vllm, "" if cfg.rollout.engine == "embedded" else (
+            f" (--rollout.engine auto chose it: {'no GPU' if not gpu else 'vllm is not installed'})")
+        if v.tensor_parallel_size != 1:
+            raise ConfigError(f"--vllm.tensor_parallel_size {v.tensor_parallel_size} needs the vLLM engine, but the "
+                              f"embedded engine runs{why}; set --vllm.tensor_parallel_size 1 or run vLLM on a GPU")
+        if v.speculative_config is not None:
+            raise ConfigError(f"--vllm.speculative_config needs the vLLM engine, but the embedded engine runs{why}; "
+                              "unset it or run vLLM on a GPU")
+    return engine
+
+
+def _check_algo(cfg: RLConfig) -> None:
+    """The algorithm's own combinations (instar/algo)."""
+    adv, kl, actor = cfg.algo.advantage, cfg.algo.kl, cfg.actor
+    low, high = actor.eps_clip_low_high
+    if not (0 <= low < 1 and high >= 0):
+        raise ConfigError(f"--actor.eps_clip_low_high must satisfy 0 <= low < 1 and high >= 0, got {low} {high}")
+    if actor.dual_clip is not None and actor.loss_mode == "cispo":
+        raise ConfigError("--actor.dual_clip caps the PPO/GSPO surrogate; cispo has none: unset --actor.dual_clip")
+    if not (0 < adv.gamma <= 1 and 0 <= adv.lam <= 1):
+        raise ConfigError(f"--algo.advantage.gamma must be in (0, 1] and --algo.advantage.lam in [0, 1], "
+                          f"got {adv.gamma} {adv.lam}")
+    if kl.use_in == "reward" and kl.coef > 0 and adv.estimator not in ("reinforce", "gae"):
+        raise ConfigError(f"--algo.kl.use_in reward only shapes token rewards of reinforce / gae; set --algo.kl.use_in "
+                          f"loss for --algo.advantage.estimator {adv.estimator}")
+    if kl.coef < 0 or (kl.target is not None and kl.target <= 0) or kl.horizon < 1:
+        raise ConfigError(f"--algo.kl.coef must be >= 0, --algo.kl.target > 0 (or unset), --algo.kl.horizon >= 1; "
+                          f"got {kl.coef} {kl.target} {kl.horizon}")
+    if kl.target is not None and kl.coef == 0:
+        raise ConfigError("--algo.kl.target adapts the coefficient multiplicatively from --algo.kl.coef, which is 0; "
+                          "set --algo.kl.coef > 0 (the starting value)")
