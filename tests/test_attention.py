@@ -64,3 +64,27 @@ def test_auto_picks_flex_only_on_gpu(tiny_model_dir):
     else:
         with pytest.raises(ValueError, match="flex_attention needs a CUDA GPU .* use packed \\(or auto\\) on CPU"):
             attention_for(tiny_model_dir, "flex_attention")
+
+
+@pytest.mark.parametrize("lengths", [[40, 37, 29, 40], [90, 3, 5, 2]])  # one padded call / one call per sequence
+def test_packed_attention_equals_per_sequence_sdpa_with_gradients(lengths):
+    from instar.train.model import packed_attention
+
+    gen = torch.Generator().manual_seed(0)
+    n, heads, kv_heads, d = sum(lengths), 4, 2, 16
+    q, k, v = (torch.randn(1, h, n, d, generator=gen, requires_grad=True) for h in (heads, kv_heads, kv_heads))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    module = torch.nn.Module().eval()
+    got, _ = packed_attention(module, q, k, v, None, scaling=0.25, cu_seq_lens_q=cu)
+    (got * torch.linspace(-1, 1, got.numel()).view_as(got)).sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    parts = [torch.nn.functional.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
+                                                              scale=0.25, enable_gqa=True)
+             for a, b in zip(cu.tolist(), cu.tolist()[1:])]
+    want = torch.cat(parts, dim=2).transpose(1, 2)
+    (want * torch.linspace(-1, 1, want.numel()).view_as(want)).sum().backward()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    for g, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(g, t.grad, atol=1e-6, rtol=1e-5)

@@ -4,6 +4,7 @@ critic, and per-token logprobs of packed micro-batches. Nothing here knows about
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -17,24 +18,38 @@ PACKED = "instar_packed"
 def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      cu_seq_lens_q: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Causal attention within each sequence of a packed row, one SDPA call per sequence.
+    """Causal attention within each sequence of a packed row ``[1, heads, N, head_dim]``.
 
     Why: for packed rows transformers builds a dense block-diagonal mask, so attention costs the
-    square of the row length (most of it masked out) and SDPA's masked CPU path is slow; per-sequence
-    calls with ``is_causal`` cost the sum of squares (bench/attention.py, tiny model, forward +
-    backward of a row of 170-token sequences: 1.4x faster at 512 tokens, 3.5x at 2,048).
-    ``cu_seq_lens_q`` (sequence starts plus the row length) comes from `forward_logits`, under the
-    name that transformers' flash-attention varlen path also reads.
+    square of the row length (most of it masked out) and SDPA's masked CPU path is slow. Here the
+    sequences (bounds in ``cu_seq_lens_q``: starts plus the row length, the name transformers'
+    flash-attention varlen path also reads) are laid out right-padded as one ``[B, heads, T, d]``
+    batch for one causal SDPA call: a real query never sees the padding after it. When padding would
+    more than double the work (lengths far apart), one causal call per sequence instead.
     """
     if kwargs.get("sliding_window"):
         raise NotImplementedError("packed attention has no sliding window (load_model picks sdpa for such models)")
-    bounds = [0, query.shape[2]] if cu_seq_lens_q is None else cu_seq_lens_q.tolist()
-    gqa = query.shape[1] != key.shape[1]
-    parts = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
-                                            dropout_p=dropout if module.training else 0.0, scale=scaling,
-                                            enable_gqa=gqa)
+    bounds = (0, query.shape[2]) if cu_seq_lens_q is None else tuple(cu_seq_lens_q.tolist())
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    kw = {"is_causal": True, "dropout_p": dropout if module.training else 0.0, "scale": scaling,
+          "enable_gqa": query.shape[1] != key.shape[1]}
+    if len(lengths) > 1 and len(lengths) * max(lengths) ** 2 <= 2 * sum(n * n for n in lengths):
+        index, valid = _padding_index(bounds)
+        out = F.scaled_dot_product_attention(*(t[0][:, index].transpose(0, 1) for t in (query, key, value)), **kw)
+        return out.transpose(1, 2)[valid][None], None  # [B, T, heads, d] -> the row's [1, N, heads, d]
+    parts = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], **kw)
              for a, b in zip(bounds, bounds[1:])]
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
+
+
+@functools.lru_cache(maxsize=4)  # every layer of a forward (and its recompute) asks for the same bounds
+def _padding_index(bounds: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, T]`` row positions of the right-padded batch (padding points at position 0: its outputs
+    are dropped, so it gets no gradient) and the ``[B, T]`` mask of real positions."""
+    starts, lengths = torch.tensor(bounds[:-1]), torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1])
+    t = torch.arange(int(lengths.max()))
+    valid = t[None] < lengths[:, None]
+    return torch.where(valid, starts[:, None] + t[None], 0), valid
 
 
 def attention_for(path: str, choice: str = "auto") -> str:

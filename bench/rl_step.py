@@ -1,0 +1,181 @@
+"""instar rl against a bare sequential GRPO loop: the same machine, model, prompts, reward and sampling.
+
+The bare loop is what one would write by hand in plain PyTorch: HF `generate` (left-padded batch,
+temperature 1), the reward, group-normalised advantages, one optimizer step per batch (on-policy
+REINFORCE with the GRPO baseline), every core for torch's threads. instar runs the real `instar rl`
+topology (Ray actors, the embedded engine, the agent runner and its env loop, an FSDP2 trainer rank,
+weight sync) in each mode: strictly on-policy (`--train.force_sync_mode`), async one step ahead (the
+default), and async with partial rollout.
+
+Both sides count completion tokens (sampled tokens, the end-of-turn token included) per second of
+the timed steps (the first --warmup steps of each are not timed). The last line is
+`rl_ratio=<instar async / bare>`.
+
+    OMP_NUM_THREADS=1 python bench/rl_step.py                          # 8 prompts x 8 samples x 48 tokens
+    OMP_NUM_THREADS=1 python bench/rl_step.py --prompts 32 --new-tokens 256 --scale 10   # a 10x model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from instar.config import RLConfig
+from instar.data.tiny_model import TinySpec, build_tiny_model
+
+AGENT = '''
+from instar.agents import Env, Result, StepEnvRunner
+
+
+def reward(text: str, label: str) -> float:
+    return float(label in text)
+
+
+class Sum(Env):
+    async def step(self, state: dict) -> Result:
+        r = reward(state["action_text"], state["label"])
+        return Result(reward=r, score=r)
+
+
+AgentRunner = StepEnvRunner(Sum)
+'''
+
+
+def reward(text: str, label: str) -> float:  # the agent's, for the bare loop
+    return float(label in text)
+
+
+def build(out: Path, scale: int, n_prompts: int) -> tuple[str, str, str]:
+    """A random-init model (demo shape, or about `scale` times its parameters), prompts, the agent file."""
+    width = {1: 128, 10: 384}[scale]
+    model = build_tiny_model(out / "model", TinySpec(layers=4, hidden=width, heads=4, kv_heads=2,
+                                                     intermediate=2 * width))
+    prompts = out / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"What is {i}+{2 * i + 1}?", "label": str(3 * i + 1)}) + "\n"
+                               for i in range(max(64, 4 * n_prompts))))
+    agent = out / "agent.py"
+    agent.write_text(AGENT)
+    return str(model), str(prompts), str(agent)
+
+
+def bare_loop(model_dir: str, prompts_path: str, args: argparse.Namespace) -> dict[str, float]:
+    """The hand-written sequential loop; returns completion tokens/s and the mean step split."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(torch.get_num_threads() if args.bare_threads == 0 else args.bare_threads)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    records = [json.loads(line) for line in Path(prompts_path).read_text().splitlines()]
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    timed_tokens, timed_s, gen_s, train_s = 0, 0.0, 0.0, 0.0
+    for step in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        batch = [records[(step * args.prompts + i) % len(records)] for i in range(args.prompts)]
+        prompts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False) for r in batch]
+        prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
+        prompts = [p for p in prompts for _ in range(args.samples)]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=True,
+                                 temperature=1.0, top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=0)
+        completions = []
+        for row in out[:, width:].tolist():
+            completions.append(row[:row.index(eos) + 1] if eos in row else row)
+        t1 = time.perf_counter()
+        rewards = torch.tensor([reward(tok.decode(c), batch[i // args.samples]["label"])
+                                for i, c in enumerate(completions)]).view(args.prompts, args.samples)
+        adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).flatten()
+        seqs = [p + c for p, c in zip(prompts, completions)]
+        length = max(map(len, seqs))
+        x = torch.tensor([s + [0] * (length - len(s)) for s in seqs])
+        attn = torch.tensor([[1] * len(s) + [0] * (length - len(s)) for s in seqs])
+        act = torch.tensor([[0] * len(p) + [1] * len(c) + [0] * (length - len(p) - len(c))
+                            for p, c in zip(prompts, completions)])[:, 1:].float()
+        logp = torch.log_softmax(model(input_ids=x, attention_mask=attn).logits[:, :-1].float(), -1)
+        logp = logp.gather(-1, x[:, 1:, None])[..., 0]
+        loss = -(adv[:, None] * logp * act).sum() / act.sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        t2 = time.perf_counter()
+        if step >= args.warmup:
+            timed_tokens += sum(map(len, completions))
+            timed_s += t2 - t0
+            gen_s += t1 - t0
+            train_s += t2 - t1
+    return {"tokens_per_s": timed_tokens / timed_s, "step_s": timed_s / args.steps,
+            "generate_s": gen_s / args.steps, "train_s": train_s / args.steps}
+
+
+def instar_run(model_dir: str, prompts: str, agent: str, out: Path, args: argparse.Namespace,
+               mode: str) -> dict[str, float]:
+    from instar.loop import run
+
+    cfg = RLConfig()
+    cfg.actor.model_name_or_path, cfg.actor.learning_rate = model_dir, args.lr
+    cfg.data.prompt_dataset, cfg.data.max_new_tokens, cfg.data.max_len = prompts, args.new_tokens, 512
+    cfg.train.agent_path, cfg.train.max_steps = agent, args.warmup + args.steps
+    cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt = args.prompts, args.samples
+    cfg.algo.advantage.estimator = "grpo"
+    cfg.train.force_sync_mode = mode == "sync"
+    cfg.train.partial_rollout_enable = mode == "partial"
+    cfg.ckpt.output_dir = str(out / f"run-{mode}")
+    cfg.ckpt.hf_save_steps = 0
+    run(cfg)
+    rows = [json.loads(line) for line in (out / f"run-{mode}/metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in rows if r.get("step", 0) > args.warmup and "time/step" in r]
+    seconds = sum(r["time/step"] for r in timed)
+    tokens = sum(r["response_length"] * r["trajectories"] for r in timed)
+    split = {k: statistics.mean(r[f"time/{k}"] for r in timed)
+             for k in ("trainer_idle", "logprobs", "train", "weight_sync", "step")}
+    return {"tokens_per_s": tokens / seconds, **split,
+            "engine_idle": statistics.mean(r.get("engine/idle_fraction", 0.0) for r in timed)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--scale", type=int, default=1, choices=[1, 10], help="model size: the demo's, or ~10x")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--modes", default="sync,async,partial")
+    p.add_argument("--bare-threads", type=int, default=2, help="torch threads of the bare loop (0: torch's default)")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d)
+        model_dir, prompts, agent = build(out, args.scale, args.prompts)
+        results = {mode: instar_run(model_dir, prompts, agent, out, args, mode) for mode in args.modes.split(",")}
+        bare = bare_loop(model_dir, prompts, args)
+    print(f"\nworkload: {args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, "
+          f"model scale {args.scale}, {args.steps} timed steps after {args.warmup}")
+    print(f"bare loop: {bare['tokens_per_s']:8.0f} completion tokens/s, step {bare['step_s']:.3f} s "
+          f"(generate {bare['generate_s']:.3f} s, train {bare['train_s']:.3f} s, {args.bare_threads} threads)")
+    for mode, r in results.items():
+        ratio = r["tokens_per_s"] / bare["tokens_per_s"]
+        print(f"instar {mode:8s} {r['tokens_per_s']:8.0f} completion tokens/s, ratio {ratio:.2f}"
+              f"; step {r['step']:.3f} s = waiting for rollouts {r['trainer_idle']:.3f} + logprobs {r['logprobs']:.3f}"
+              f" + update {r['train']:.3f} + weight sync {r['weight_sync']:.3f}; engine idle {r['engine_idle']:.0%}")
+    if "sync" in results and "async" in results:
+        print(f"async_over_sync={results['async']['tokens_per_s'] / results['sync']['tokens_per_s']:.2f}")
+    if "partial" in results and "async" in results:
+        print(f"partial_over_async={results['partial']['tokens_per_s'] / results['async']['tokens_per_s']:.2f}")
+    main_mode = "async" if "async" in results else next(iter(results))
+    print(f"rl_ratio={results[main_mode]['tokens_per_s'] / bare['tokens_per_s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
