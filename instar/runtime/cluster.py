@@ -62,9 +62,13 @@ class Cluster:
 
             check_engine_config(cfg.vllm, "cuda" if gpu else "cpu", cfg.train.routing_replay)
         per_engine = tp if vllm else 1  # weight-sync ranks per engine: one per tensor-parallel worker
+        # Threads: in sync mode generation and training take turns, so each gets every core; otherwise
+        # engines and trainer ranks compute at the same time and share them (bench/rl_step.py measures it).
+        engines, ranks = 0 if replay else cfg.vllm.num_engines, cfg.fsdp.num_ranks
+        sync = cfg.train.force_sync_mode
         actor = EngineActor.options(num_cpus=0, num_gpus=1 if vllm and gpu and tp == 1 else 0)
-        self.engines = [] if replay else [actor.remote(model, engine, cfg.vllm, cfg.train.routing_replay)
-                                          for _ in range(cfg.vllm.num_engines)]
+        self.engines = [actor.remote(model, engine, cfg.vllm, cfg.train.routing_replay,
+                                     cpu_share=engines if sync else engines + ranks) for _ in range(engines)]
         self.agents = [] if replay else [AgentActor.options(num_cpus=0).remote(
             cfg.train.agent_path, model, self.engines, max_len=cfg.data.max_len,
             max_new_tokens=cfg.data.max_new_tokens, agent_timeout=cfg.train.agent_timeout,
@@ -72,7 +76,8 @@ class Cluster:
         if not self.train:
             return self
         self.trainer = await TrainerGroup.start(cfg, ref_path=(cfg.actor.ref_model_name_or_path or model)
-                                                if self.has_ref else None, critic=self.has_critic)
+                                                if self.has_ref else None, critic=self.has_critic,
+                                                cpu_share=ranks if sync or not engines else engines + ranks)
         if self.engines:  # the group's store lives on trainer rank 0's node, at a port free there
             addr, port = await self.trainer.ranks[0].address.remote()
             world = 1 + len(self.engines) * per_engine

@@ -17,6 +17,7 @@ import torch
 from instar.config import EngineConfig
 from instar.contract import Generation, SamplingParams
 from instar.engines.protocol import EngineLoad, PauseMode
+from instar.train.launch import cpu_threads
 from instar.train.weight_sync import open_sync_group, receive_weights
 
 
@@ -35,7 +36,8 @@ def make_engine(model_path: str, backend: str, cfg: EngineConfig, routing_replay
 @ray.remote
 class EngineActor:
     def __init__(self, model_path: str, backend: str, cfg: EngineConfig, routing_replay: bool = False,
-                 threads: int = 1):
+                 cpu_share: int = 1):
+        threads = cpu_threads(cpu_share)  # see Cluster: how many processes compute at the same time
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
         self.engine = make_engine(model_path, backend, cfg, routing_replay)

@@ -6,7 +6,6 @@ each rank takes its share of each update.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import ray
@@ -16,14 +15,13 @@ from torch import Tensor
 from instar.config import RLConfig, SFTConfig
 from instar.contract import Sample
 from instar.train.batch import Extras, shard_samples
-from instar.train.launch import free_port
+from instar.train.launch import cpu_threads, free_port
 from instar.train.worker import LossFn, TrainStats, TrainWorker, ValueLossFn
 
 
 class _Rank(TrainWorker):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if "OMP_NUM_THREADS" in os.environ:  # Ray workers ignore it for torch's intra-op pool otherwise
-            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    def __init__(self, *args: Any, cpu_share: int = 1, **kwargs: Any) -> None:
+        torch.set_num_threads(cpu_threads(cpu_share))  # see Cluster: how many processes compute at once
         super().__init__(*args, **kwargs)
 
     def policy_batch(self, batch: tuple, loss_fn: LossFn, temperature: float, updates: list[list[int]] | None
@@ -44,13 +42,16 @@ class TrainerGroup:
         self.ranks = ranks
 
     @classmethod
-    async def start(cls, cfg: RLConfig | SFTConfig, ref_path: str | None = None, critic: bool = False) -> TrainerGroup:
+    async def start(cls, cfg: RLConfig | SFTConfig, ref_path: str | None = None, critic: bool = False,
+                    cpu_share: int = 1) -> TrainerGroup:
         """Start ``--fsdp.num_ranks`` actors (one GPU each when the cluster has GPUs), join them into
-        one process group rooted at rank 0's node, load and shard the models."""
+        one process group rooted at rank 0's node, load and shard the models. Each rank computes with
+        the cores of its node divided by ``cpu_share``."""
         gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
         actor = ray.remote(num_cpus=0, num_gpus=gpus)(_Rank)
         critic_cfg = getattr(cfg, "critic", None) if critic else None
-        ranks = [actor.remote(cfg.actor, cfg.fsdp, cfg.train, critic_cfg, ref_path) for _ in range(cfg.fsdp.num_ranks)]
+        ranks = [actor.remote(cfg.actor, cfg.fsdp, cfg.train, critic_cfg, ref_path, cpu_share=cpu_share)
+                 for _ in range(cfg.fsdp.num_ranks)]
         addr, port = await ranks[0].address.remote()
         group = cls(ranks)
         await group._all("init", *[(r, len(ranks), addr, port) for r in range(len(ranks))])

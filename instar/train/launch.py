@@ -15,6 +15,13 @@ import torch
 import torch.multiprocessing as mp
 
 
+def cpu_threads(share: int) -> int:
+    """Compute threads for one of ``share`` processes that are busy at the same time on this machine's
+    cores: together they use every core, and none oversubscribes them (two processes that each spin
+    a thread per core run several times slower)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, share))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,13 +12,14 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
 from instar.config import SFTConfig
 from instar.contract import Sample
 from instar.data.sft import load_sft_samples
 from instar.train import checkpoint
 from instar.train.batch import shard_samples
-from instar.train.launch import free_port, run_ranks
+from instar.train.launch import cpu_threads, free_port, run_ranks
 from instar.train.model import load_tokenizer
 from instar.train.parallel import all_reduce
 from instar.train.worker import TrainWorker
@@ -37,7 +38,11 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
     if cfg.sft.batch_size < cfg.fsdp.num_ranks:
         raise ValueError(f"--sft.batch_size {cfg.sft.batch_size} must be >= --fsdp.num_ranks {cfg.fsdp.num_ranks}")
     if cfg.fsdp.num_ranks == 1:
-        return _sft_rank(0, 1, free_port(), cfg)
+        threads = torch.get_num_threads()
+        try:
+            return _sft_rank(0, 1, free_port(), cfg)
+        finally:  # this process goes on after SFT (tests, notebooks): leave its threads as they were
+            torch.set_num_threads(threads)
     return run_ranks(_sft_rank, cfg.fsdp.num_ranks, cfg)[0]
 
 
@@ -61,6 +66,7 @@ def eval_loss(worker: TrainWorker, samples: list[Sample]) -> float:
 
 
 def _sft_rank(rank: int, world: int, port: int, cfg: SFTConfig) -> dict[str, float]:
+    torch.set_num_threads(cpu_threads(world))  # nothing else computes during SFT: the ranks share every core
     tokenizer = load_tokenizer(cfg.actor.model_name_or_path)
     samples = load_sft_samples(cfg.sft.dataset, tokenizer, cfg.sft.messages_key, cfg.sft.max_len)
     train, held_out = _split(samples, cfg.sft.eval_fraction, cfg.actor.seed)
@@ -80,6 +86,7 @@ def _sft_rank(rank: int, world: int, port: int, cfg: SFTConfig) -> dict[str, flo
         _log(out, rank, {"step": 0, "eval/loss": eval_loss(worker, held_out)})
     try:
         order: list[int] = []
+        bar = tqdm(total=total, initial=start, desc="sft", dynamic_ncols=True, disable=rank != 0)
         for step in range(start, total):
             epoch, k = divmod(step, steps_per_epoch)
             if k == 0 or not order:  # an epoch's order, drawn once (also when resuming mid-epoch)
@@ -91,10 +98,13 @@ def _sft_rank(rank: int, world: int, port: int, cfg: SFTConfig) -> dict[str, flo
             if held_out and (last or (cfg.sft.eval_steps and (step + 1) % cfg.sft.eval_steps == 0)):
                 metrics["eval/loss"] = eval_loss(worker, held_out)
             _log(out, rank, metrics)
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['actor/loss']:.3f}", refresh=False)
             if (cfg.ckpt.save_steps and (step + 1) % cfg.ckpt.save_steps == 0) or (last and cfg.ckpt.save_steps == 0):
                 worker.save(ckpt_dir, {"step": step + 1}, cfg.ckpt.max_num)
             if cfg.ckpt.hf_save_steps and (step + 1) % cfg.ckpt.hf_save_steps == 0 and not last:
                 worker.export_hf(os.path.join(out, "hf_steps", f"step_{step + 1}"))
+        bar.close()
         worker.export_hf(os.path.join(out, "hf"))
     finally:
         worker.shutdown()
