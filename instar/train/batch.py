@@ -30,6 +30,7 @@ class MicroBatch:
     fields: dict[str, Tensor]  # [B, T] / [B] loss inputs: token_ids, action_mask, rollout_logprobs, ...
     indices: list[int]  # each row sample's index in the caller's list (see `collate`'s names)
     routed_experts: Tensor | None = None  # [N, moe_layers, top_k] for routing replay, when every sample has it
+    action_positions: Tensor | None = None  # [M] row positions whose next token is an action token
 
     @property
     def num_tokens(self) -> int:
@@ -105,6 +106,8 @@ def collate(samples: list[Sample], indices: list[int], extras: Extras | None = N
     for name, values in (extras or {}).items():
         vals = [values[i] for i in names]
         fields[name] = torch.stack(vals) if vals[0].dim() == 0 else right_pad(vals, T)
+    mask = fields["action_mask"]
+    action_positions = (offsets[:, None] + t[None] - 1)[mask & (t[None] >= 1)]
     recorded = all(s.routed_experts is not None for s in rows)
     routes = torch.cat([s.routed_experts for s in rows]).to(device) if recorded else None
     return MicroBatch(
@@ -115,6 +118,7 @@ def collate(samples: list[Sample], indices: list[int], extras: Extras | None = N
         fields={k: v.to(device) for k, v in fields.items()},
         indices=names,
         routed_experts=routes,
+        action_positions=action_positions.to(device),
     )
 
 

@@ -159,13 +159,15 @@ def packing_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
-def forward_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+def forward_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
     """Logits of a packed row ``[1, N]`` whose sequences are separated by ``position_ids`` restarting
-    at 0. Attention stays within each sequence: `packed_attention` (or a flash-attention varlen
-    kernel) reads the sequence bounds; any other implementation gets a block-diagonal mask from
-    transformers, built from the same ``position_ids``."""
+    at 0, at every position or only at ``positions`` (``[1, M, vocab]``: the head and the float32
+    softmax then cost M rows, not N). Attention stays within each sequence: `packed_attention` (or a
+    varlen kernel) reads the sequence bounds; any other implementation gets a block-diagonal mask
+    from transformers, built from the same ``position_ids``."""
     return model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                 **_bounds_for(model, position_ids)).logits
+                 logits_to_keep=0 if positions is None else positions, **_bounds_for(model, position_ids)).logits
 
 
 def _bounds_for(model: nn.Module, position_ids: torch.Tensor) -> dict[str, Any]:
@@ -179,11 +181,19 @@ def _bounds_for(model: nn.Module, position_ids: torch.Tensor) -> dict[str, Any]:
 
 
 def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
-                        with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        with_entropy: bool = True, positions: torch.Tensor | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per position t of the row: logprob of token t+1 under the logits at t (and the entropy of that
-    distribution). The last position (no next token) and sequence ends are garbage the caller drops."""
+    distribution). The last position (no next token) and sequence ends are garbage the caller drops.
+    With ``positions`` the logits are only those rows (see `forward_logits`); every other position of
+    the ``[N]`` results holds 0."""
     logp = torch.log_softmax(logits[0].float() / temperature, dim=-1)
-    target = torch.roll(input_ids[0], -1)
+    target = torch.roll(input_ids[0], -1) if positions is None else input_ids[0, positions + 1]
     token_logp = logp.gather(-1, target[:, None]).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
-    return token_logp, entropy
+    if positions is None:
+        return token_logp, entropy
+
+    def spread(values: torch.Tensor) -> torch.Tensor:
+        return values.new_zeros(input_ids.shape[1]).index_put((positions,), values)
+    return spread(token_logp), spread(entropy) if entropy is not None else None

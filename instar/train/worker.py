@@ -154,8 +154,9 @@ class TrainWorker:
             captured.update(zip(mine, self.compute_logprobs([samples[i] for i in mine], temperature)))
 
         def loss_of(mb: MicroBatch) -> tuple[Tensor, dict[str, Any]]:
-            logits = forward_logits(self.policy, mb.input_ids, mb.position_ids)
-            logp, entropy = next_token_logprobs(logits, mb.input_ids, temperature)
+            # the loss reads action tokens only: logits (and their float32 softmax) at those positions
+            logits = forward_logits(self.policy, mb.input_ids, mb.position_ids, mb.action_positions)
+            logp, entropy = next_token_logprobs(logits, mb.input_ids, temperature, positions=mb.action_positions)
             logp = mb.unpack(logp)
             if old[mb.indices[0]] is None:  # the first update: its own forward is the old policy
                 mb.fields["old_logprobs"] = logp.detach()
