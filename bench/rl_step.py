@@ -131,7 +131,7 @@ def instar_run(model_dir: str, prompts: str, agent: str, out: Path, args: argpar
     cfg.train.force_sync_mode = mode == "sync"
     cfg.train.partial_rollout_enable = mode == "partial"
     cfg.ckpt.output_dir = str(out / f"run-{mode}")
-    cfg.ckpt.hf_save_steps = 0
+    cfg.fsdp.num_ranks = args.ranks
     run(cfg)
     rows = [json.loads(line) for line in (out / f"run-{mode}/metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if r.get("step", 0) > args.warmup and "time/step" in r]
@@ -139,6 +139,7 @@ def instar_run(model_dir: str, prompts: str, agent: str, out: Path, args: argpar
     tokens = sum(r["response_length"] * r["trajectories"] for r in timed)
     split = {k: statistics.mean(r[f"time/{k}"] for r in timed)
              for k in ("trainer_idle", "logprobs", "train", "weight_sync", "step")}
+    split |= {k: statistics.mean(r.get(f"weight_sync/{k}_s", 0.0) for r in timed) for k in ("pause", "transfer")}
     return {"tokens_per_s": tokens / seconds, **split,
             "engine_idle": statistics.mean(r.get("engine/idle_fraction", 0.0) for r in timed)}
 
@@ -153,6 +154,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--modes", default="sync,async,partial")
+    p.add_argument("--ranks", type=int, default=1, help="instar's trainer ranks (--fsdp.num_ranks)")
     p.add_argument("--bare-threads", type=int, default=2, help="torch threads of the bare loop (0: torch's default)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
@@ -168,7 +170,8 @@ def main() -> None:
         ratio = r["tokens_per_s"] / bare["tokens_per_s"]
         print(f"instar {mode:8s} {r['tokens_per_s']:8.0f} completion tokens/s, ratio {ratio:.2f}"
               f"; step {r['step']:.3f} s = waiting for rollouts {r['trainer_idle']:.3f} + logprobs {r['logprobs']:.3f}"
-              f" + update {r['train']:.3f} + weight sync {r['weight_sync']:.3f}; engine idle {r['engine_idle']:.0%}")
+              f" + update {r['train']:.3f} + weight sync {r['weight_sync']:.3f} (pausing {r['pause']:.3f}, transfer"
+              f" {r['transfer']:.3f}); engine idle {r['engine_idle']:.0%}")
     if "sync" in results and "async" in results:
         print(f"async_over_sync={results['async']['tokens_per_s'] / results['sync']['tokens_per_s']:.2f}")
     if "partial" in results and "async" in results:

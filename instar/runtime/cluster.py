@@ -93,11 +93,16 @@ class Cluster:
         if not self.engines:
             return {}
         mode = "keep" if keep_in_flight else "wait"
+        t0 = time.perf_counter()
         await asyncio.gather(*(e.pause.remote(mode) for e in self.engines))
+        t1 = time.perf_counter()
         results = await asyncio.gather(self.trainer.send_weights(),
                                        *(e.receive_weights.remote(version) for e in self.engines))
+        t2 = time.perf_counter()
         await asyncio.gather(*(e.resume.remote() for e in self.engines))
-        return results[0]
+        # pausing waits for in-flight turns to end unless they are kept (--train.partial_rollout_enable)
+        return results[0] | {"weight_sync/pause_s": t1 - t0, "weight_sync/transfer_s": t2 - t1,
+                             "weight_sync/resume_s": time.perf_counter() - t2}
 
     async def critic_step(self, samples: list, values: list, returns: list, updates: list[list[int]]
                           ) -> dict[str, float]:
