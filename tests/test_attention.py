@@ -2,6 +2,8 @@
 found from the restarting position_ids) equals instar's per-sequence `packed_attention`, and
 ``--fsdp.attn_implementation auto`` picks it only where it can train (a CUDA GPU)."""
 
+import importlib.util
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -64,6 +66,11 @@ def test_auto_picks_flex_only_on_gpu(tiny_model_dir):
     else:
         with pytest.raises(ValueError, match="flex_attention needs a CUDA GPU .* use packed \\(or auto\\) on CPU"):
             attention_for(tiny_model_dir, "flex_attention")
+    if importlib.util.find_spec("flash_attn") is None or not GPU:
+        with pytest.raises(ValueError, match="flash_attention_2 needs a CUDA GPU and the flash-attn package"):
+            attention_for(tiny_model_dir, "flash_attention_2")
+    assert attention_for(tiny_model_dir, "sdpa") == "sdpa"
+    assert attention_for(tiny_model_dir, "packed") == "instar_packed"
 
 
 @pytest.mark.parametrize("lengths", [[40, 37, 29, 40], [90, 3, 5, 2]])  # one padded call / one call per sequence
