@@ -154,6 +154,27 @@ def test_weight_update_during_keep_pause(dense):
     assert (got[before:] - hf_logprobs(new_model, prompt, gen.token_ids)[before:]).abs().max() < 1e-4
 
 
+def test_weight_update_during_restart_pause_resamples_the_whole_turn(dense):
+    new_model = perturbed(dense)
+    prompt, params = PROMPTS[2], SamplingParams(temperature=0, max_tokens=12)
+
+    async def body(engine):
+        task = asyncio.create_task(engine.generate(prompt, params))
+        while not engine._running or engine._running[0].num_sampled < 4:
+            await asyncio.sleep(0)
+        await engine.pause("restart")
+        dropped = engine._running[0].num_sampled
+        await engine.update_weights(new_model.named_parameters(), version=1)
+        await engine.resume()
+        return dropped, await task
+
+    dropped, gen = run_engine(dense, body)
+    assert dropped == 0  # what it had sampled under version 0 is gone
+    assert gen.versions == [1] * 12  # the whole turn from the new weights
+    assert gen.token_ids == hf_greedy(new_model, prompt, 12)
+    assert (torch.tensor(gen.logprobs) - hf_logprobs(new_model, prompt, gen.token_ids)).abs().max() < 1e-4
+
+
 def test_update_weights_errors(dense):
     async def body(engine):
         with pytest.raises(RuntimeError, match="pause"):

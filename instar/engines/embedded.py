@@ -124,11 +124,19 @@ class EmbeddedEngine:
         return await request.future  # a cancelled caller cancels the future; the scheduler then drops it
 
     async def pause(self, mode: PauseMode = "keep") -> None:
-        """keep: freeze running requests; abort: finish every request now with finish_reason "abort";
-        wait: admit nothing new and return once the running requests have finished. New requests queue
-        up in every mode until `resume`."""
+        """keep: freeze running requests; restart: freeze them and drop what they sampled, so each is
+        sampled again from its start after `resume`; abort: finish every request now with finish_reason
+        "abort"; wait: admit nothing new and return once the running requests have finished. New
+        requests queue up in every mode until `resume`."""
         if mode == "keep":
             self._paused = True
+        elif mode == "restart":
+            self._paused = True
+            for request in self._running:
+                if request.finish_reason is None:  # (a finished MoE request only awaits its last routing)
+                    del request.ids[request.prompt_len:]
+                    request.logprobs, request.versions, request.routed = [], [], []
+                    request.cached = min(request.cached, request.prompt_len)
         elif mode == "abort":
             self._paused = True
             for request in [*self._running, *self._queue]:
@@ -141,7 +149,7 @@ class EmbeddedEngine:
                 await asyncio.sleep(0.001)
             self._paused = True
         else:
-            raise ValueError(f"pause mode must be 'keep', 'abort' or 'wait', got {mode!r}")
+            raise ValueError(f"pause mode must be 'keep', 'restart', 'abort' or 'wait', got {mode!r}")
 
     async def resume(self) -> None:
         self._paused, self._admitting = False, True

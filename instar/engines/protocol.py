@@ -14,8 +14,10 @@ import torch
 
 from instar.contract import Generation, SamplingParams
 
-PauseMode = Literal["keep", "abort", "wait"]
-"""keep: freeze in-flight requests and continue them after `resume`; abort: finish them now with
+PauseMode = Literal["keep", "restart", "abort", "wait"]
+"""keep: freeze in-flight requests and continue them after `resume` (partial rollout: a turn's tokens
+may come from two policy versions); restart: drop what in-flight requests sampled and sample them again
+from their start after `resume` (every turn from one version, no waiting); abort: finish them now with
 finish_reason "abort" (tokens so far are returned); wait: stop admitting, let running ones finish."""
 
 

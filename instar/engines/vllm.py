@@ -109,6 +109,7 @@ class VLLMEngine:
         self._moe_layers = moe_layers(llm.model_config.hf_config) if routing_replay else []
         self._ids = itertools.count()
         self._in_flight = 0
+        self._restarts = 0  # pause("restart") calls so far
         self._paused = False
 
     @classmethod
@@ -149,22 +150,29 @@ class VLLMEngine:
         self._check_prompt(prompt_token_ids)
         vllm_params = to_vllm_sampling_params(sampling_params, len(prompt_token_ids), self.routing_replay)
         prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
-        final = None
         self._in_flight += 1
         try:
-            async for output in self.llm.generate(prompt, vllm_params, f"instar-{next(self._ids)}"):
-                final = output  # FINAL_ONLY: one output, when the request finishes
+            while True:
+                final, restarts = None, self._restarts
+                async for output in self.llm.generate(prompt, vllm_params, f"instar-{next(self._ids)}"):
+                    final = output  # FINAL_ONLY: one output, when the request finishes
+                # cut by pause("restart"): sample the turn again (it queues until resume, new weights)
+                if not (final.outputs[0].finish_reason == "abort" and self._restarts != restarts):
+                    break
         finally:
             self._in_flight -= 1
         return self._generation(final.outputs[0])
 
     async def pause(self, mode: PauseMode = "keep") -> None:
         """vLLM's own pause: keep freezes running requests, abort finishes them ("abort", tokens so far
-        returned), wait returns once they finished. New requests wait for `resume` in every mode."""
-        if mode not in ("keep", "abort", "wait"):
-            raise ValueError(f"pause mode must be 'keep', 'abort' or 'wait', got {mode!r}")
+        returned), wait returns once they finished; restart aborts them and `generate` submits each
+        again. New requests wait for `resume` in every mode."""
+        if mode not in ("keep", "restart", "abort", "wait"):
+            raise ValueError(f"pause mode must be 'keep', 'restart', 'abort' or 'wait', got {mode!r}")
+        if mode == "restart":  # vLLM aborts them; `generate` sees the count move and submits each again
+            self._restarts += 1
         # The KV cache stays: a pause alone changes nothing; `update_weights` invalidates it.
-        await self.llm.pause_generation(mode=mode, clear_cache=False)
+        await self.llm.pause_generation(mode="abort" if mode == "restart" else mode, clear_cache=False)
         self._paused = True
 
     async def resume(self) -> None:

@@ -115,6 +115,24 @@ def test_pause_keep_freezes_then_resume_finishes(vllm):
     assert engine.load().running == 0
 
 
+def test_pause_restart_samples_the_turn_again_after_resume(vllm):
+    engine, loop = vllm
+    want = loop.run(engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=300)))
+    first_id = next(engine._ids)
+    future = asyncio.run_coroutine_threadsafe(
+        engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=300)), loop.loop)
+    wait_until(lambda: engine.load().running == 1)
+    time.sleep(0.2)
+    loop.run(engine.pause("restart"))
+    time.sleep(0.5)
+    assert not future.done()  # cut, submitted again, and held until resume
+    loop.run(engine.resume())
+    gen = future.result(timeout=60)
+    # the whole turn sampled again from its start, as a second request (not the cut part plus a continuation)
+    assert gen.token_ids == want.token_ids and gen.finish_reason == "length" and gen.versions == [0] * 300
+    assert next(engine._ids) == first_id + 3
+
+
 def test_pause_abort_returns_the_tokens_so_far(vllm, dense):
     engine, loop = vllm
     future = asyncio.run_coroutine_threadsafe(
