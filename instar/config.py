@@ -225,7 +225,8 @@ class TrainConfig:
     force_sync_mode: bool = False
     """Strictly on-policy: generate a batch, train on it, sync, repeat."""
     partial_rollout_enable: bool = False
-    """Sync weights with in-flight requests paused (kept), then resume them."""
+    """Sync weights with in-flight requests paused (kept), then resume them (a turn's tokens may then span
+    two versions); off, in-flight turns are sampled again from their start under the new weights."""
     agent_timeout: float = 600.0
     """Seconds one rollout may take in user code before it is dropped."""
     batch_size: int | None = None
