@@ -267,7 +267,9 @@ def test_pause_abort_and_wait(dense):
         while engine.load().running < 2:
             await asyncio.sleep(0)
         await engine.pause("wait")  # returns once both running requests have finished
-        waited = first.done() and queued.done()
+        drained = engine.load().running == 0
+        await asyncio.sleep(0)  # their callers' tasks wake up on the next turn of the event loop
+        waited = drained and first.done() and queued.done()
         late = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(max_tokens=2, seed=0)))
         await asyncio.sleep(0.01)
         late_waits = not late.done()
