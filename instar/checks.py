@@ -65,12 +65,16 @@ def _check_batches(cfg: RLConfig) -> None:
                               f"built yet; the trainer is data-parallel (--fsdp.num_ranks). Set --fsdp.{name} 1")
 
 
+def run_ahead_groups(cfg: RLConfig) -> int:
+    """Prompt groups launched but not yet trained at most: the staleness bound, in groups."""
+    r, t = cfg.rollout, cfg.train
+    return r.batch_size if t.force_sync_mode else r.batch_size * (t.async_queue_size + 1)
+
+
 def in_flight_groups(cfg: RLConfig) -> int:
     """Prompt groups the streaming pool keeps in flight (--rollout.vllm_generate_batch_size, or derived)."""
-    r, t = cfg.rollout, cfg.train
-    if r.vllm_generate_batch_size is not None:
-        return r.vllm_generate_batch_size
-    return r.batch_size if t.force_sync_mode else r.batch_size * (t.async_queue_size + 1)
+    size = cfg.rollout.vllm_generate_batch_size
+    return run_ahead_groups(cfg) if size is None else size
 
 
 def choose_engine(cfg: RLConfig, gpu: bool, vllm_installed: bool) -> str:

@@ -1,4 +1,4 @@
-"""The one accumulator both agent forms build trajectories with (DESIGN.md, "one mechanism").
+"""The one accumulator both agent forms build trajectories with (one mechanism, one set of tests).
 
 Given the next full list of chat messages it renders only the template delta, appends its tokens to
 the exact ids sampled so far, asks the engine for the next turn and records the sampled ids with

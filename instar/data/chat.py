@@ -1,6 +1,6 @@
 """Chat-template rendering as token *deltas*, for any HF tokenizer with a chat template.
 
-Token identity (DESIGN.md, invariant 1): sampled ids are never decoded and re-tokenized into training
+Token identity (instar.contract): sampled ids are never decoded and re-tokenized into training
 data. Between two sampled turns only the template text the model did not produce (the rest of the
 assistant turn after its stop token, the next role headers, the observation, the generation prompt)
 is rendered and tokenized, once, and appended to the exact ids so far.

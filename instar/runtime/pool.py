@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from instar.agents.api import Task
-from instar.checks import in_flight_groups
+from instar.checks import in_flight_groups, run_ahead_groups
 from instar.config import RLConfig
 from instar.contract import SamplingParams, Trajectory, read_jsonl
 from instar.data.prompts import Prompt, PromptStream
@@ -46,9 +46,7 @@ class RolloutPool:
         self.done: list[Group] = []
         self.error: BaseException | None = None
         self.auto_refill = not cfg.train.force_sync_mode
-        r = cfg.rollout
-        self.ahead = r.batch_size if cfg.train.force_sync_mode else r.batch_size * (cfg.train.async_queue_size + 1)
-        self.limit = in_flight_groups(cfg)
+        self.ahead, self.limit = run_ahead_groups(cfg), in_flight_groups(cfg)
 
     def fill(self) -> None:
         """Launch groups up to the in-flight and run-ahead limits."""

@@ -81,9 +81,9 @@ class TrainerGroup:
         return await self._per_sample("compute_values", samples)
 
     async def train_policy(self, samples: list[Sample], loss_fn: LossFn, extras: Extras | None = None,
-                    temperature: float = 1.0, updates: list[list[int]] | None = None) -> TrainStats:
-        """The policy's updates on this batch (see ``TrainWorker.train_policy``); the batch is stored once in
-        the object store and every rank reads it; the metrics are global (rank 0's copy)."""
+                           temperature: float = 1.0, updates: list[list[int]] | None = None) -> TrainStats:
+        """The policy's updates on this batch (see ``TrainWorker.train_policy``); the batch is stored once
+        in the object store and every rank reads it; the metrics are global (rank 0's copy)."""
         batch = ray.put((samples, extras))
         return (await self._all("policy_batch", (batch, loss_fn, temperature, updates)))[0]
 
