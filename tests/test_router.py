@@ -1,10 +1,9 @@
-"""The router: session affinity, least-loaded placement, fan-out of control calls."""
+"""The router: session affinity, least-loaded placement, releasing finished sessions."""
 
 import asyncio
 import copy
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
 from instar.contract import Generation, SamplingParams
@@ -12,13 +11,13 @@ from instar.engines import EmbeddedEngine, EngineLoad, Router
 
 
 class RecordingEngine:
-    """Speaks the engine protocol; reports a settable load and records what it was asked."""
+    """A `Sampler`: reports a settable load and records what it was asked."""
 
     def __init__(self, name: str, queued: int = 0, async_load: bool = False):
         self.name, self.queued, self.async_load = name, queued, async_load
         self.running = 0
         self.calls: list[tuple] = []
-        self.release = asyncio.Event()
+        self.go = asyncio.Event()
 
     def load(self):
         value = EngineLoad(queued=self.queued, running=self.running)
@@ -33,18 +32,12 @@ class RecordingEngine:
     async def generate(self, prompt_token_ids, sampling_params, session_id=None):
         self.calls.append(("generate", session_id))
         self.running += 1
-        await self.release.wait()
+        await self.go.wait()
         self.running -= 1
         return Generation(token_ids=[1], logprobs=[-0.5], versions=[0], finish_reason="stop")
 
-    async def pause(self, mode="keep"):
-        self.calls.append(("pause", mode))
-
-    async def resume(self):
-        self.calls.append(("resume",))
-
-    async def update_weights(self, named_tensors, version):
-        self.calls.append(("update_weights", [name for name, _ in named_tensors], version))
+    def release(self, session_id):
+        self.calls.append(("release", session_id))
 
 
 def sessions_on(engine):
@@ -56,12 +49,13 @@ def test_new_session_goes_to_least_loaded_and_stays_there():
         engines = [RecordingEngine("a", queued=5), RecordingEngine("b", queued=1), RecordingEngine("c", queued=3)]
         router = Router(engines)
         for e in engines:
-            e.release.set()
+            e.go.set()
         await router.generate([1], SamplingParams(), "s1")
         engines[1].queued = 9  # "b" is now the busiest, yet s1 keeps its engine
         await router.generate([1, 2], SamplingParams(), "s1")
         await router.generate([1], SamplingParams(), "s2")
         router.release("s1")
+        router.release("never-placed")
         await router.generate([1], SamplingParams(), "s1")
         return engines, router
 
@@ -69,6 +63,8 @@ def test_new_session_goes_to_least_loaded_and_stays_there():
     assert sessions_on(b) == ["s1", "s1"]
     assert sessions_on(c) == ["s2", "s1"]  # released, s1 is placed afresh
     assert sessions_on(a) == [] and router.sessions == {"s2": 2, "s1": 2}
+    # the engine that served s1 is told it ended; nobody hears of a session never placed
+    assert ("release", "s1") in b.calls and [c for e in (a, c) for c in e.calls if c[0] == "release"] == []
 
 
 @pytest.mark.parametrize("async_load", [False, True])  # an engine behind an actor reports its load late
@@ -81,27 +77,13 @@ def test_burst_of_new_sessions_spreads_evenly(async_load):
             await asyncio.sleep(0)
         placed = [len(sessions_on(e)) for e in engines]
         for e in engines:
-            e.release.set()
+            e.go.set()
         await asyncio.gather(*tasks)
         return placed, (await router.load()).total
 
     placed, left = asyncio.run(main())
     assert placed == [3, 3, 3]
     assert left == 0
-
-
-def test_control_calls_fan_out_to_every_engine():
-    async def main():
-        engines = [RecordingEngine("a"), RecordingEngine("b")]
-        router = Router(engines)
-        await router.pause("keep")
-        named = ((name, torch.zeros(1)) for name in ("w1", "w2"))  # an iterator: consumed once
-        await router.update_weights(named, version=3)
-        await router.resume()
-        return engines
-
-    for engine in asyncio.run(main()):
-        assert engine.calls == [("pause", "keep"), ("update_weights", ["w1", "w2"], 3), ("resume",)]
 
 
 def test_router_over_embedded_engines_keeps_sessions_warm(tiny_model_dir):
@@ -115,18 +97,25 @@ def test_router_over_embedded_engines_keeps_sessions_warm(tiny_model_dir):
             firsts = await asyncio.gather(*(router.generate([10 + i, 20, 30], params, f"s{i}") for i in range(4)))
             seconds = await asyncio.gather(*(router.generate([10 + i, 20, 30] + g.token_ids + [7], params, f"s{i}")
                                              for i, g in enumerate(firsts)))
-            await router.pause("keep")
-            await router.update_weights(model.named_parameters(), version=2)
-            await router.resume()
+            for e in engines:
+                await e.pause("keep")
+                await e.update_weights(model.named_parameters(), version=2)
+                await e.resume()
             third = await router.generate([1, 2], params, "s0")
-            return [e.stats for e in engines], dict(router.sessions), seconds, third
+            sessions = dict(router.sessions)
+            cached = [len(e._prefixes) for e in engines]
+            for i in range(4):
+                router.release(f"s{i}")
+            return [e.stats for e in engines], sessions, seconds, third, cached, [len(e._prefixes) for e in engines]
         finally:
             for e in engines:
                 await e.close()
 
-    stats, sessions, seconds, third = asyncio.run(main())
+    stats, sessions, seconds, third, cached, after_release = asyncio.run(main())
     assert sorted(sessions.values()) == [0, 0, 1, 1]
     # Each second turn reused its session's 3 prompt + 3 fed sampled tokens on the same engine.
     assert [s["prefix_hit_tokens"] for s in stats] == [12, 12]
     assert all(len(g.token_ids) == 4 for g in seconds)
     assert third.versions == [2] * 4
+    # The weight update dropped every cached prefix; s0's third turn cached one again, on its engine only.
+    assert sorted(cached) == [0, 1] and after_release == [0, 0]

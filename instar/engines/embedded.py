@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,6 +89,7 @@ class EmbeddedEngine:
         self._wake: asyncio.Event | None = None
         self._error: BaseException | None = None
         self._closed = False
+        self._weight_group = None
         self.stats = {"prompt_tokens": 0, "prefix_hit_tokens": 0, "sampled_tokens": 0, "busy_seconds": 0.0}
         """Counters since start: prompt tokens admitted, of those the ones whose KV came from the
         session's cached prefix (not recomputed), and tokens sampled."""
@@ -122,6 +123,9 @@ class EmbeddedEngine:
         self._queue.append(request)
         self._wake.set()
         return await request.future  # a cancelled caller cancels the future; the scheduler then drops it
+
+    def release(self, session_id: str) -> None:
+        self._pop_prefix(session_id)  # its KV cache makes room for live sessions
 
     async def pause(self, mode: PauseMode = "keep") -> None:
         """keep: freeze running requests; restart: freeze them and drop what they sampled, so each is
@@ -177,6 +181,14 @@ class EmbeddedEngine:
         self._prefix_tokens = 0
         for request in self._running:
             request.cached = 0
+
+    async def join_weight_group(self, open_group: Callable, master_addr: str, master_port: int, first_rank: int,
+                                world_size: int, device: str) -> None:
+        self._weight_group = open_group(master_addr, master_port, first_rank, world_size, device)
+
+    async def receive_weights(self, receive: Callable, version: int) -> None:
+        # each tensor is copied into the model before the next is received: one bucket buffer, reused
+        await self.update_weights(receive(self._weight_group, reuse_buffer=True), version)
 
     async def close(self) -> None:
         """Abort every request and stop the scheduler task; the engine takes no new requests."""

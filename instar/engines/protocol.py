@@ -6,7 +6,7 @@ sampled it, so partial rollouts (weights swapped mid-request) stay exact.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -33,17 +33,38 @@ class EngineLoad:
         return self.queued + self.running
 
 
-@runtime_checkable
-class Engine(Protocol):
-    """A rollout engine. All methods are coroutines except `load` and `version`."""
+class Sampler(Protocol):
+    """What the chat server samples from: one engine, or a `Router` in front of several (and what a
+    Router places sessions on)."""
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        session_id: str | None = None) -> Generation:
         """Sample one turn after ``prompt_token_ids``. Per sampled token: its logprob (of the processed
-        or the raw distribution, per ``--vllm.logprobs_mode``; defined in `instar.engines.sampling`),
+        or the raw distribution, per ``--engine.logprobs_mode``; defined in `instar.engines.sampling`),
         the policy version that sampled it and, for MoE models, its routed experts (moe_layers, top_k).
         ``session_id`` groups the turns of one rollout (prefix-cache reuse, router affinity)."""
         ...
+
+    def release(self, session_id: str) -> None:
+        """The session has ended: forget its placement and cached prefix (it may not come back)."""
+        ...
+
+    def load(self) -> EngineLoad | Awaitable[EngineLoad]:
+        """Queued and running requests (an awaitable over Ray), for placing new sessions."""
+        ...
+
+
+@runtime_checkable
+class Engine(Sampler, Protocol):
+    """A rollout engine. Control calls come from the driver, one engine at a time (`Cluster`)."""
+
+    stats: dict[str, float]
+    """Counters since start (prompt_tokens, prefix_hit_tokens, sampled_tokens; busy_seconds where known)."""
+
+    @property
+    def version(self) -> int: ...
+
+    def load(self) -> EngineLoad: ...  # in process: answered at once
 
     async def pause(self, mode: PauseMode = "keep") -> None: ...
 
@@ -53,7 +74,17 @@ class Engine(Protocol):
         """Load new weights (HF parameter names) and set the policy version; call while paused."""
         ...
 
-    def load(self) -> EngineLoad: ...
+    async def join_weight_group(self, open_group: Callable, master_addr: str, master_port: int, first_rank: int,
+                                world_size: int, device: str) -> None:
+        """Join trainer rank 0's broadcast group (ranks from ``first_rank``, one per engine worker) with
+        ``open_group`` (`instar.train.weight_sync.open_sync_group`); returns once every member joined."""
+        ...
 
-    @property
-    def version(self) -> int: ...
+    async def receive_weights(self, receive: Callable, version: int) -> None:
+        """Receive one broadcast with ``receive`` (`instar.train.weight_sync.receive_weights`), load it and
+        set the policy version; call while paused."""
+        ...
+
+    async def close(self) -> None:
+        """Abort every request and free the engine; it takes no new requests."""
+        ...

@@ -2,29 +2,25 @@
 
 Every request of one session goes to the engine that served its first turn, where that session's
 prefix cache is warm; a new session goes to the engine with the least load (queued + running).
-Pause, resume and weight updates fan out to every engine concurrently.
+Control calls (pause, weights) do not pass through here: the driver sends them to each engine.
 
-Engines are anything that speaks `instar.engines.protocol.Engine`. Every call is awaited, and
-`load()` may return an `EngineLoad` or an awaitable of one, so a thin async proxy of a Ray actor
-handle fits as well as an in-process engine.
+Engines are `instar.engines.protocol.Sampler`s: an in-process engine, or the thin async proxy of a Ray
+actor handle that an agent runner holds (its `load()` is then awaited).
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
-from collections.abc import Iterable, Sequence
-
-import torch
+from collections.abc import Sequence
 
 from instar.contract import Generation, SamplingParams
-from instar.engines.protocol import Engine, EngineLoad, PauseMode
+from instar.engines.protocol import EngineLoad, Sampler
 
 
 class Router:
-    """Places sessions on engines and fans control calls out to all of them."""
+    """Places sessions on engines; a `Sampler` itself."""
 
-    def __init__(self, engines: Sequence[Engine]):
+    def __init__(self, engines: Sequence[Sampler]):
         if not engines:
             raise ValueError("Router needs at least one engine")
         self.engines = list(engines)
@@ -58,23 +54,16 @@ class Router:
         return [await _value(engine.load()) for engine in self.engines]
 
     def release(self, session_id: str) -> None:
-        """Forget a finished session (its next request, if any, is placed afresh)."""
-        self.sessions.pop(session_id, None)
+        """Forget a finished session (its next request, if any, is placed afresh); its engine frees what
+        it cached for it."""
+        index = self.sessions.pop(session_id, None)
+        if index is not None:
+            self.engines[index].release(session_id)
 
     async def load(self) -> EngineLoad:
         loads = await self._loads()
         return EngineLoad(queued=sum(x.queued for x in loads), running=sum(x.running for x in loads))
 
-    async def pause(self, mode: PauseMode = "keep") -> None:
-        await asyncio.gather(*(engine.pause(mode) for engine in self.engines))
-
-    async def resume(self) -> None:
-        await asyncio.gather(*(engine.resume() for engine in self.engines))
-
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Send the same weights to every engine (an iterator is consumed once, here)."""
-        named_tensors = list(named_tensors)
-        await asyncio.gather(*(engine.update_weights(named_tensors, version) for engine in self.engines))
 
 
 async def _value(x):

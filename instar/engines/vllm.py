@@ -111,6 +111,7 @@ class VLLMEngine:
         self._in_flight = 0
         self._restarts = 0  # pause("restart") calls so far
         self._paused = False
+        self.stats = {"prompt_tokens": 0, "prefix_hit_tokens": 0, "sampled_tokens": 0}
 
     @classmethod
     def from_pretrained(cls, path: str | Path, cfg: EngineConfig | None = None, version: int = 0,
@@ -161,7 +162,13 @@ class VLLMEngine:
                     break
         finally:
             self._in_flight -= 1
+        self.stats["prompt_tokens"] += len(prompt_token_ids)
+        self.stats["prefix_hit_tokens"] += final.num_cached_tokens or 0
+        self.stats["sampled_tokens"] += len(final.outputs[0].token_ids)
         return self._generation(final.outputs[0])
+
+    def release(self, session_id: str) -> None:
+        pass  # vLLM's prefix cache finds a session's turns by their token ids, and evicts them itself
 
     async def pause(self, mode: PauseMode = "keep") -> None:
         """vLLM's own pause: keep freezes running requests, abort finishes them ("abort", tokens so far

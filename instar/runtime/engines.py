@@ -1,4 +1,4 @@
-"""Rollout engines as Ray actors, and the thin proxy that lets a Router hold their handles.
+"""Rollout engines as Ray actors, and the thin proxy that lets an agent runner's Router hold their handles.
 
 Each actor hosts one engine (embedded PyTorch or vLLM) on its own asyncio loop, so requests from
 every agent runner are continuously batched together. Weights arrive over a dedicated process group
@@ -8,7 +8,6 @@ every agent runner are continuously batched together. Weights arrive over a dedi
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from typing import Any
 
 import ray
@@ -16,12 +15,12 @@ import torch
 
 from instar.config import EngineConfig
 from instar.contract import Generation, SamplingParams
-from instar.engines.protocol import EngineLoad, PauseMode
+from instar.engines.protocol import Engine, EngineLoad, PauseMode
 from instar.train.launch import cpu_threads
 from instar.train.weight_sync import open_sync_group, receive_weights
 
 
-def make_engine(model_path: str, backend: str, cfg: EngineConfig, routing_replay: bool = False) -> Any:
+def make_engine(model_path: str, backend: str, cfg: EngineConfig, routing_replay: bool = False) -> Engine:
     if backend == "embedded":
         from instar.engines.embedded import EmbeddedEngine
 
@@ -41,7 +40,6 @@ class EngineActor:
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
         self.engine = make_engine(model_path, backend, cfg, routing_replay)
-        self.group = None
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        session_id: str | None = None) -> Generation:
@@ -53,43 +51,30 @@ class EngineActor:
     async def resume(self) -> None:
         await self.engine.resume()
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        await self.engine.update_weights(named_tensors, version)
-
     def load(self) -> EngineLoad:
         return self.engine.load()
 
-    def version(self) -> int:
-        return self.engine.version
+    def release(self, session_id: str) -> None:
+        self.engine.release(session_id)
 
     def stats(self) -> dict[str, float]:
-        """Cumulative counters (tokens, busy seconds) where the engine keeps them."""
-        return dict(getattr(self.engine, "stats", {}))
+        return dict(self.engine.stats)
 
     async def join_weight_group(self, master_addr: str, master_port: int, rank: int, world_size: int,
                                 device: str = "cpu") -> None:
-        """Returns once trainer rank 0 and every engine joined; call on all of them concurrently. vLLM
-        joins from inside its workers (one rank per tensor-parallel worker, from `rank` on)."""
-        if hasattr(self.engine, "join_weight_group"):
-            await self.engine.join_weight_group(open_sync_group, master_addr, master_port, rank, world_size, device)
-        else:
-            self.group = open_sync_group(master_addr, master_port, rank, world_size, device)
+        """Returns once trainer rank 0 and every engine joined; call on all of them concurrently."""
+        await self.engine.join_weight_group(open_sync_group, master_addr, master_port, rank, world_size, device)
 
     async def receive_weights(self, version: int) -> None:
         """Receive one broadcast from trainer rank 0 and load it (the engine must be paused)."""
-        if hasattr(self.engine, "receive_weights"):
-            await self.engine.receive_weights(receive_weights, version)
-        else:
-            # the embedded engine copies each tensor before asking for the next: one bucket buffer, reused
-            await self.engine.update_weights(receive_weights(self.group, reuse_buffer=True), version)
+        await self.engine.receive_weights(receive_weights, version)
 
     async def close(self) -> None:
-        if hasattr(self.engine, "close"):
-            await self.engine.close()
+        await self.engine.close()
 
 
 class RemoteEngine:
-    """The engine protocol over a Ray actor handle (what a Router in another process holds)."""
+    """A `Sampler` over a Ray actor handle: what an agent runner's Router holds."""
 
     def __init__(self, handle: Any):
         self.handle = handle
@@ -98,14 +83,8 @@ class RemoteEngine:
                        session_id: str | None = None) -> Generation:
         return await self.handle.generate.remote(prompt_token_ids, sampling_params, session_id)
 
-    async def pause(self, mode: PauseMode = "keep") -> None:
-        await self.handle.pause.remote(mode)
-
-    async def resume(self) -> None:
-        await self.handle.resume.remote()
-
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        await self.handle.update_weights.remote(list(named_tensors), version)
+    def release(self, session_id: str) -> None:
+        self.handle.release.remote(session_id)  # not awaited: nothing waits on it
 
     async def load(self) -> EngineLoad:
         return await self.handle.load.remote()
