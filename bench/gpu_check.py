@@ -335,7 +335,7 @@ def train_three_steps(model_dir: str, attn: str) -> dict:
             logp, _ = next_token_logprobs(forward_logits(model, mb.input_ids, mb.position_ids), mb.input_ids,
                                           with_entropy=False)
             # SFT's loss (instar.train.sft.sft_loss), written out so that this does not import the worker
-            loss = -torch.where(mb.fields["action_mask"], mb.unpack(logp), 0).sum() / actions
+            loss = -torch.where(mb.inputs.action_mask, mb.unpack(logp), 0).sum() / actions
             loss.backward()
             total += loss.item()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))

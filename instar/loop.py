@@ -28,6 +28,7 @@ from instar.runtime.cluster import Cluster
 from instar.runtime.metrics import MetricsLogger
 from instar.runtime.pool import Group, ReplayPool, RolloutPool
 from instar.train import checkpoint
+from instar.train.batch import StepInputs
 
 
 def run(cfg: RLConfig) -> dict[str, float]:
@@ -102,10 +103,9 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
             t_logp = time.perf_counter()
             adv, returns, adv_metrics = batching.advantages(cfg, rows, old, ref, values, kl.value)
             updates = batching.mini_batches(rows, cfg, step)
-            extras = {"advantages": adv, **({"old_logprobs": old} if old else {}),
-                      **({"ref_logprobs": ref} if ref else {})}
+            inputs = StepInputs(advantages=adv, old_logprobs=old, ref_logprobs=ref)
             loss_fn = partial(batching.rl_loss, cfg, kl.value)
-            stats = await cluster.trainer.train_policy(rows.samples, loss_fn, extras, temp, updates)
+            stats = await cluster.trainer.train_policy(rows.samples, loss_fn, inputs, temp, updates)
             metrics |= stats.metrics
             if values is not None:
                 metrics |= await cluster.critic_step(rows.samples, values, returns, updates)

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from instar.contract import Sample
-from instar.train.batch import collate, plan_micro_batches, shard_samples
+from instar.train.batch import StepInputs, collate, plan_micro_batches, shard_samples
 from instar.train.model import forward_logits, load_model, next_token_logprobs
 from instar.train.moe import freeze_routers, record_routes, replay_routes, routers
 from instar.train.optim import build_optimizer, lr_factor
@@ -38,13 +38,12 @@ def test_shard_samples_balances_tokens_over_ranks():
 
 def test_collate_packs_one_row_and_unpacks_right_padded():
     samples = [make_sample(4, 0), make_sample(2, 1)]
-    extras = {"advantages": [torch.full((4,), 0.5), torch.full((2,), -1.0)], "reward": [torch.tensor(1.0)] * 2}
-    mb = collate(samples, [1, 0], extras)
+    mb = collate(samples, [1, 0], StepInputs(advantages=[torch.full((4,), 0.5), torch.full((2,), -1.0)]))
     assert mb.input_ids.tolist() == [samples[1].token_ids + samples[0].token_ids]
     assert mb.position_ids.tolist() == [[0, 1, 0, 1, 2, 3]]
-    assert mb.fields["action_mask"].tolist() == [[False, True, False, False], [False, False, True, True]]
-    assert mb.fields["advantages"].tolist() == [[-1.0, -1.0, 0.0, 0.0], [0.5] * 4]
-    assert mb.fields["reward"].tolist() == [1.0, 1.0]
+    assert mb.inputs.action_mask.tolist() == [[False, True, False, False], [False, False, True, True]]
+    assert mb.inputs.advantages.tolist() == [[-1.0, -1.0, 0.0, 0.0], [0.5] * 4]
+    assert mb.inputs.returns is None and mb.inputs.lengths.tolist() == [2, 4]
     # token t of a sample takes the row value at position t-1; t = 0 and padding are 0
     assert mb.unpack(torch.arange(6.0) + 10).tolist() == [[0, 10, 0, 0], [0, 12, 13, 14]]
 

@@ -14,6 +14,7 @@ from instar.config import ActorConfig, CriticConfig, FSDPConfig, RLConfig, Train
 from instar.contract import Sample
 from instar.runtime.batching import critic_loss, rl_loss
 from instar.train import checkpoint
+from instar.train.batch import StepInputs
 from instar.train.launch import free_port, run_ranks
 from instar.train.worker import TrainWorker
 
@@ -42,7 +43,7 @@ def _worker(model_dir, rank, world, port, max_tokens, **kwargs) -> TrainWorker:
 def _rl_step(w: TrainWorker) -> dict[str, float]:
     """One on-policy PPO step on SAMPLES (advantage +1 / -1 by sample); each rank takes its share."""
     adv = [torch.full((n,), 1.0 if i % 2 else -1.0) for i, n in enumerate(LENGTHS)]
-    return w.train_step(SAMPLES, LOSS, {"advantages": adv})
+    return w.train_step(SAMPLES, LOSS, StepInputs(advantages=adv))
 
 
 def _full_state(w: TrainWorker) -> dict[str, torch.Tensor]:
@@ -58,8 +59,8 @@ def _one_rank_job(rank, world, port, model_dir):
     returns = [torch.full((n,), 0.5) for n in LENGTHS]
     values = w.compute_values(SAMPLES)
     out["values0"] = values
-    out["critic"] = [w.train_critic(SAMPLES, partial(critic_loss, RL), {"old_values": w.compute_values(SAMPLES),
-                                                                         "returns": returns}).metrics
+    out["critic"] = [w.train_critic(SAMPLES, partial(critic_loss, RL),
+                                    StepInputs(old_values=w.compute_values(SAMPLES), returns=returns)).metrics
                      for _ in range(3)]
     out["split"] = {}
     for max_tokens in (12, 64):  # the same batch as 5 micro-batches or as 1
@@ -191,7 +192,7 @@ def test_worker_replays_recorded_routes_and_freezes_the_router(tiny_moe_dir):
         w.train.routing_replay = True
         gates = [r.weight.full_tensor().clone() for r in routers(w.policy)]
         adv = [torch.ones(12)]
-        w.train_step([own], LOSS, {"advantages": adv, "old_logprobs": [with_own]})
+        w.train_step([own], LOSS, StepInputs(advantages=adv, old_logprobs=[with_own]))
         assert all(torch.equal(r.weight.full_tensor(), g) for r, g in zip(routers(w.policy), gates))
         assert (w.compute_logprobs([own])[0] - with_own).abs().max() > 1e-4  # the rest of the model moved
     finally:

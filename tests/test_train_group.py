@@ -13,6 +13,7 @@ from instar.contract import Sample
 from instar.runtime.batching import rl_loss
 from instar.runtime.trainer_group import TrainerGroup
 from instar.train import checkpoint
+from instar.train.batch import StepInputs
 
 
 @pytest.fixture
@@ -40,8 +41,9 @@ def test_two_rank_ray_group(ray_cluster, tiny_model_dir, tmp_path):
         group = await TrainerGroup.start(cfg)
         try:
             logprobs = await group.compute_logprobs(samples)
-            extras = {"advantages": [torch.full((len(s.token_ids),), 1.0) for s in samples], "old_logprobs": logprobs}
-            metrics = (await group.train_policy(samples, partial(rl_loss, cfg, 0.0), extras)).metrics
+            inputs = StepInputs(advantages=[torch.full((len(s.token_ids),), 1.0) for s in samples],
+                                old_logprobs=logprobs)
+            metrics = (await group.train_policy(samples, partial(rl_loss, cfg, 0.0), inputs)).metrics
             path = await group.save(str(tmp_path), {"data_position": 5}, 2)
             extra = await group.load(path)
         finally:

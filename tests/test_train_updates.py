@@ -12,7 +12,7 @@ from instar.algo import policy_loss
 from instar.config import ActorConfig, FSDPConfig, RLConfig, TrainConfig
 from instar.contract import Sample
 from instar.runtime.batching import rl_loss
-from instar.train.batch import plan_micro_batches
+from instar.train.batch import StepInputs, plan_micro_batches
 from instar.train.launch import free_port, run_ranks
 from instar.train.model import load_model
 from instar.train.worker import TrainWorker
@@ -67,10 +67,10 @@ class Recorder:
     def __init__(self, cfg: RLConfig):
         self.loss, self.log_ratio = partial(rl_loss, cfg, 0.0), []
 
-    def __call__(self, logprobs, entropy, fields):
-        diff = torch.where(fields["action_mask"], logprobs.detach() - fields["old_logprobs"], 0)
+    def __call__(self, logprobs, entropy, x):
+        diff = torch.where(x.action_mask, logprobs.detach() - x.old_logprobs, 0)
         self.log_ratio.append(diff.abs().max().item())
-        return self.loss(logprobs, entropy, fields)
+        return self.loss(logprobs, entropy, x)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_first_update_has_ratio_one_later_ones_are_clipped(tiny_model_dir, sampl
     updates = [[0, 1, 2, 3], [4, 5, 6, 7]]
     rec = Recorder(rl_config())
     w = worker(tiny_model_dir)
-    stats = w.train_policy(samples, rec, {"advantages": advantages()}, updates=updates)
+    stats = w.train_policy(samples, rec, StepInputs(advantages=advantages()), updates=updates)
     passes = len(plan_micro_batches([LENGTHS[i] for i in updates[0]], 32))  # the first update's forwards
     assert passes == 2
     assert rec.log_ratio[:passes] == [0.0] * passes  # exactly: the first update's own forward is "old"
@@ -93,7 +93,7 @@ def test_first_update_has_ratio_one_later_ones_are_clipped(tiny_model_dir, sampl
     clipped = state(w)
     w2 = worker(tiny_model_dir, eps_clip_low_high=(0.999, 1e6))  # no clipping in practice
     stats2 = w2.train_policy(samples, partial(rl_loss, rl_config(eps_clip_low_high=(0.999, 1e6)), 0.0),
-                             {"advantages": advantages()}, updates=updates)
+                             StepInputs(advantages=advantages()), updates=updates)
     assert stats2.metrics["actor/policy_clip_ratio"] == 0
     assert max((clipped[k] - v).abs().max().item() for k, v in state(w2).items()) > 1e-3
 
@@ -133,7 +133,7 @@ def assert_same_weights(a: dict, b: dict) -> None:
 def test_two_mini_batches_of_four_are_two_steps_not_one_on_eight(tiny_model_dir, samples):
     two = [[0, 1, 2, 3], [4, 5, 6, 7]]
     w = worker(tiny_model_dir)
-    w.train_policy(samples, partial(rl_loss, rl_config(), 0.0), {"advantages": advantages()}, updates=two)
+    w.train_policy(samples, partial(rl_loss, rl_config(), 0.0), StepInputs(advantages=advantages()), updates=two)
     got = state(w)
     assert_same_weights(got, reference_updates(tiny_model_dir, samples, two))
     one = reference_updates(tiny_model_dir, samples, [list(range(8))])
@@ -142,7 +142,8 @@ def test_two_mini_batches_of_four_are_two_steps_not_one_on_eight(tiny_model_dir,
 
 def _two_rank_job(rank, world, port, model_dir, samples, updates):
     w = worker(model_dir, rank, world, port)
-    stats = w.train_policy(samples, partial(rl_loss, rl_config(), 0.0), {"advantages": advantages()}, updates=updates)
+    stats = w.train_policy(samples, partial(rl_loss, rl_config(), 0.0), StepInputs(advantages=advantages()),
+                           updates=updates)
     out = {"metrics": stats.metrics, "state": {k: v.full_tensor() for k, v in w.policy.state_dict().items()}}
     w.shutdown()
     return out
@@ -153,7 +154,8 @@ def test_two_ranks_equal_one_rank_over_two_epochs_of_two_mini_batches(tiny_model
     updates = [[0, 1, 2, 3], [4, 5, 6, 7], [1, 3, 5, 7], [0, 2, 4, 6]]  # 2 epochs, reshuffled
     two = run_ranks(_two_rank_job, 2, tiny_model_dir, samples, updates)
     w = worker(tiny_model_dir)
-    one = w.train_policy(samples, partial(rl_loss, rl_config(), 0.0), {"advantages": advantages()}, updates=updates)
+    one = w.train_policy(samples, partial(rl_loss, rl_config(), 0.0), StepInputs(advantages=advantages()),
+                         updates=updates)
     for k in ("actor/loss", "actor/grad_norm", "actor/policy_clip_ratio", "actor/vllm_kl"):
         assert two[0]["metrics"][k] == pytest.approx(one.metrics[k], rel=1e-4, abs=1e-6), k
     assert two[0]["metrics"]["actor/updates"] == 4
@@ -165,13 +167,13 @@ def test_measured_kl_to_the_reference_reaches_the_caller(tiny_model_dir, samples
     cfg = rl_config()
     cfg.algo.kl.coef, cfg.algo.kl.use_in = 0.1, use_in
     w = worker(tiny_model_dir, ref=True)
-    extras = {"advantages": advantages()}
-    first = w.train_policy(samples, partial(rl_loss, cfg, 0.1), extras | {"ref_logprobs": w.compute_logprobs(
-        samples, model="ref")})
+    adv = advantages()
+    ref = w.compute_logprobs(samples, model="ref")
+    first = w.train_policy(samples, partial(rl_loss, cfg, 0.1), StepInputs(advantages=adv, ref_logprobs=ref))
     assert first.ref_kl == 0.0  # policy == reference before the first update
     ref = w.compute_logprobs(samples, model="ref")
     policy = w.compute_logprobs(samples)
-    stats = w.train_policy(samples, partial(rl_loss, cfg, 0.1), extras | {"ref_logprobs": ref})
+    stats = w.train_policy(samples, partial(rl_loss, cfg, 0.1), StepInputs(advantages=adv, ref_logprobs=ref))
     mask = [torch.tensor(s.action_mask, dtype=torch.bool) for s in samples]
     log_r = torch.cat([(r - p)[m] for r, p, m in zip(ref, policy, mask)])
     expected = (torch.expm1(log_r) - log_r).mean().item()  # k3, the default estimator

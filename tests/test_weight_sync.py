@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 from instar.config import ActorConfig, FSDPConfig, RLConfig, TrainConfig
 from instar.contract import Sample, SamplingParams
 from instar.runtime.batching import rl_loss
+from instar.train.batch import StepInputs
 from instar.train.launch import free_port, run_ranks
 from instar.train.weight_sync import hf_name, open_sync_group, receive_weights, send_weights
 from instar.train.worker import TrainWorker
@@ -90,7 +91,7 @@ def _trainer_job(rank, world, port, model_dir, sync_port, prompts, inbox, outbox
     adv = [torch.full((len(s.token_ids),), 1.0) for s in samples]
     cfg = RLConfig()  # token-level truncated IS: the samples' rollout logprobs are made up
     cfg.algo.advantage.is_correction_level, cfg.algo.advantage.is_correction_mode = "token", "trunc"
-    w.train_step(samples, partial(rl_loss, cfg, 0.0), {"advantages": adv})
+    w.train_step(samples, partial(rl_loss, cfg, 0.0), StepInputs(advantages=adv))
     w.open_weight_sync("127.0.0.1", sync_port, 2)
     stats = w.send_weights(bucket_mb=0.05)
     # plain lists: a queued tensor lives in this process's shared memory, gone once the rank exits

@@ -17,7 +17,7 @@ from instar.algo import AdvantageInputs, compute_advantages, dynamic_filter, pol
 from instar.config import RLConfig
 from instar.contract import ContractError, Sample, Trajectory
 from instar.runtime.pool import Group
-from instar.train.batch import right_pad
+from instar.train.batch import LossInputs, right_pad
 
 
 @dataclass
@@ -116,18 +116,17 @@ def mini_batches(rows: Rows, cfg: RLConfig, step: int) -> list[list[int]]:
     return out
 
 
-def rl_loss(cfg: RLConfig, kl_coef: float, logprobs: Tensor, entropy: Tensor,
-            fields: dict[str, Tensor]) -> tuple[Tensor, dict]:
+def rl_loss(cfg: RLConfig, kl_coef: float, logprobs: Tensor, entropy: Tensor, x: LossInputs) -> tuple[Tensor, dict]:
     """The trainer's per-micro-batch loss (see `instar.train.worker.LossFn`)."""
-    return policy_loss(cfg, logprobs, fields["old_logprobs"], fields["rollout_logprobs"], fields["advantages"],
-                       fields["action_mask"], entropy=entropy, ref_logprobs=fields.get("ref_logprobs"),
-                       kl_coef=kl_coef, global_num_tokens=fields["global_num_action_tokens"])
+    return policy_loss(cfg, logprobs, x.old_logprobs, x.rollout_logprobs, x.advantages, x.action_mask,
+                       entropy=entropy, ref_logprobs=x.ref_logprobs, kl_coef=kl_coef,
+                       global_num_tokens=x.global_num_action_tokens)
 
 
-def critic_loss(cfg: RLConfig, values: Tensor, fields: dict[str, Tensor]) -> tuple[Tensor, dict]:
+def critic_loss(cfg: RLConfig, values: Tensor, x: LossInputs) -> tuple[Tensor, dict]:
     """The trainer's per-micro-batch critic loss (see `instar.train.worker.ValueLossFn`)."""
-    return value_loss(values, fields["old_values"], fields["returns"], fields["action_mask"],
-                      clip=cfg.critic.value_clip, global_num_tokens=fields["global_num_action_tokens"])
+    return value_loss(values, x.old_values, x.returns, x.action_mask, clip=cfg.critic.value_clip,
+                      global_num_tokens=x.global_num_action_tokens)
 
 
 def rollout_metrics(trajs: list[Trajectory], policy_version: int) -> dict[str, float]:

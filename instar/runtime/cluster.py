@@ -22,6 +22,7 @@ from instar.runtime.batching import critic_loss
 from instar.runtime.engines import EngineActor
 from instar.runtime.pool import group_tasks
 from instar.runtime.trainer_group import TrainerGroup
+from instar.train.batch import StepInputs
 
 
 class Cluster:
@@ -109,8 +110,8 @@ class Cluster:
 
     async def critic_step(self, samples: list, values: list, returns: list, updates: list[list[int]]
                           ) -> dict[str, float]:
-        extras = {"old_values": values, "returns": returns}
-        return (await self.trainer.train_critic(samples, partial(critic_loss, self.cfg), extras, updates)).metrics
+        inputs = StepInputs(old_values=values, returns=returns)
+        return (await self.trainer.train_critic(samples, partial(critic_loss, self.cfg), inputs, updates)).metrics
 
     async def metrics(self) -> dict[str, float]:
         """Agent-runner counts (cumulative); engine and agent-actor use since the previous call."""

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from instar.config import RLConfig, SFTConfig
 from instar.contract import Sample
-from instar.train.batch import Extras, shard_samples
+from instar.train.batch import StepInputs, shard_samples
 from instar.train.launch import cpu_threads, free_port
 from instar.train.worker import LossFn, TrainStats, TrainWorker, ValueLossFn
 
@@ -24,14 +24,13 @@ class _Rank(TrainWorker):
         torch.set_num_threads(cpu_threads(cpu_share))  # see Cluster: how many processes compute at once
         super().__init__(*args, **kwargs)
 
-    def policy_batch(self, batch: tuple, loss_fn: LossFn, temperature: float, updates: list[list[int]] | None
-                    ) -> TrainStats:
-        samples, extras = batch
-        return self.train_policy(samples, loss_fn, extras, temperature, updates)
+    def policy_batch(self, batch: tuple[list[Sample], StepInputs], loss_fn: LossFn, temperature: float,
+                     updates: list[list[int]] | None) -> TrainStats:
+        return self.train_policy(*batch, loss_fn=loss_fn, temperature=temperature, updates=updates)
 
-    def critic_batch(self, batch: tuple, loss_fn: ValueLossFn, updates: list[list[int]] | None) -> TrainStats:
-        samples, extras = batch
-        return self.train_critic(samples, loss_fn, extras, updates)
+    def critic_batch(self, batch: tuple[list[Sample], StepInputs], loss_fn: ValueLossFn,
+                     updates: list[list[int]] | None) -> TrainStats:
+        return self.train_critic(batch[0], loss_fn, batch[1], updates)
 
     def address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), free_port()
@@ -80,16 +79,16 @@ class TrainerGroup:
     async def compute_values(self, samples: list[Sample]) -> list[Tensor]:
         return await self._per_sample("compute_values", samples)
 
-    async def train_policy(self, samples: list[Sample], loss_fn: LossFn, extras: Extras | None = None,
+    async def train_policy(self, samples: list[Sample], loss_fn: LossFn, inputs: StepInputs | None = None,
                            temperature: float = 1.0, updates: list[list[int]] | None = None) -> TrainStats:
         """The policy's updates on this batch (see ``TrainWorker.train_policy``); the batch is stored once
         in the object store and every rank reads it; the metrics are global (rank 0's copy)."""
-        batch = ray.put((samples, extras))
+        batch = ray.put((samples, inputs or StepInputs()))
         return (await self._all("policy_batch", (batch, loss_fn, temperature, updates)))[0]
 
-    async def train_critic(self, samples: list[Sample], loss_fn: ValueLossFn, extras: Extras | None = None,
+    async def train_critic(self, samples: list[Sample], loss_fn: ValueLossFn, inputs: StepInputs,
                            updates: list[list[int]] | None = None) -> TrainStats:
-        batch = ray.put((samples, extras))
+        batch = ray.put((samples, inputs))
         return (await self._all("critic_batch", (batch, loss_fn, updates)))[0]
 
     async def open_weight_sync(self, master_addr: str, master_port: int, world_size: int,

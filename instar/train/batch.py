@@ -9,16 +9,44 @@ for token t, predicted at position t-1; index 0 and padding hold 0).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
 
 from instar.contract import Sample
 
-Extras = dict[str, list[Tensor]]
-"""Per-sample inputs of the loss (advantages, old/ref logprobs, returns...): one tensor per sample,
-either per-token (same length as its token_ids; right-padded to [B, T]) or 0-d (stacked to [B])."""
+
+@dataclass
+class StepInputs:
+    """What the driver computed for a training batch: per sample, one float tensor aligned with its
+    token_ids (same length). Each trainer call reads the ones it needs."""
+
+    advantages: list[Tensor] | None = None
+    old_logprobs: list[Tensor] | None = None  # policy before the update (else the trainer takes its own)
+    ref_logprobs: list[Tensor] | None = None  # the frozen reference, for a KL term in the loss
+    old_values: list[Tensor] | None = None  # the critic before the update (value clipping)
+    returns: list[Tensor] | None = None  # the critic's targets
+
+
+@dataclass
+class LossInputs:
+    """One micro-batch as the loss sees it: ``[B, T]`` tensors aligned with token_ids (index 0 and
+    padding hold 0), the `StepInputs` given, and the normaliser the trainer sets per update."""
+
+    token_ids: Tensor
+    action_mask: Tensor  # bool
+    rollout_logprobs: Tensor  # the engine's logprob of each sampled token
+    versions: Tensor  # the policy version that sampled each token
+    lengths: Tensor  # [B]
+    advantages: Tensor | None = None
+    old_logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    old_values: Tensor | None = None
+    returns: Tensor | None = None
+    global_num_action_tokens: Tensor | None = None
+    """Action tokens of the whole update over every rank: each micro-batch's loss is its share of the
+    global token mean (sum / this)."""
 
 
 @dataclass
@@ -27,7 +55,7 @@ class MicroBatch:
     position_ids: Tensor  # [1, N] restarting at 0 for each sequence
     gather: Tensor  # [B, T] row position whose next-token value belongs to token t
     valid: Tensor  # [B, T] bool: 1 <= t < length of sample b
-    fields: dict[str, Tensor]  # [B, T] / [B] loss inputs: token_ids, action_mask, rollout_logprobs, ...
+    inputs: LossInputs
     indices: list[int]  # each row sample's index in the caller's list (see `collate`'s names)
     routed_experts: Tensor | None = None  # [N, moe_layers, top_k] for routing replay, when every sample has it
     action_positions: Tensor | None = None  # [M] row positions whose next token is an action token
@@ -43,7 +71,7 @@ class MicroBatch:
 
     def split(self, unpacked: Tensor) -> list[Tensor]:
         """``[B, T]`` back to one 1-D tensor per sample, in row order (see ``indices``)."""
-        lengths = self.fields["lengths"].tolist()
+        lengths = self.inputs.lengths.tolist()
         return [unpacked[b, :n].detach().cpu() for b, n in enumerate(lengths)]
 
 
@@ -85,10 +113,10 @@ def shard_samples(lengths: list[int], world_size: int) -> list[list[int]]:
     return [sorted(s) for s in shards]
 
 
-def collate(samples: list[Sample], indices: list[int], extras: Extras | None = None,
+def collate(samples: list[Sample], indices: list[int], step: StepInputs | None = None,
             device: str = "cpu", names: list[int] | None = None) -> MicroBatch:
     """One packed row of ``samples[indices]`` plus their ``[B, T]`` loss inputs. ``names[i]`` is sample
-    i's index in the lists of ``extras`` and in ``MicroBatch.indices`` (default: ``i``)."""
+    i's index in the lists of ``step`` and in ``MicroBatch.indices`` (default: ``i``)."""
     names = [names[i] for i in indices] if names is not None else list(indices)
     rows = [samples[i] for i in indices]
     lengths = [len(s.token_ids) for s in rows]
@@ -96,17 +124,16 @@ def collate(samples: list[Sample], indices: list[int], extras: Extras | None = N
     offsets = torch.tensor([0] + lengths[:-1]).cumsum(0)
     t = torch.arange(T)
     lengths_t = torch.tensor(lengths)
-    fields = {
-        "token_ids": right_pad([torch.tensor(s.token_ids) for s in rows], T),
-        "action_mask": right_pad([torch.tensor(s.action_mask, dtype=torch.bool) for s in rows], T),
-        "rollout_logprobs": right_pad([torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in rows], T),
-        "versions": right_pad([torch.tensor(s.versions) for s in rows], T),
-        "lengths": lengths_t,
-    }
-    for name, values in (extras or {}).items():
-        vals = [values[i] for i in names]
-        fields[name] = torch.stack(vals) if vals[0].dim() == 0 else right_pad(vals, T)
-    mask = fields["action_mask"]
+    mask = right_pad([torch.tensor(s.action_mask, dtype=torch.bool) for s in rows], T)
+    given = {f.name: right_pad([values[i] for i in names], T).to(device)
+             for f in fields(StepInputs) if step is not None and (values := getattr(step, f.name)) is not None}
+    inputs = LossInputs(
+        token_ids=right_pad([torch.tensor(s.token_ids) for s in rows], T).to(device),
+        action_mask=mask.to(device),
+        rollout_logprobs=right_pad([torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in rows],
+                                   T).to(device),
+        versions=right_pad([torch.tensor(s.versions) for s in rows], T).to(device),
+        lengths=lengths_t.to(device), **given)
     action_positions = (offsets[:, None] + t[None] - 1)[mask & (t[None] >= 1)]
     recorded = all(s.routed_experts is not None for s in rows)
     routes = torch.cat([s.routed_experts for s in rows]).to(device) if recorded else None
@@ -115,7 +142,7 @@ def collate(samples: list[Sample], indices: list[int], extras: Extras | None = N
         position_ids=torch.cat([torch.arange(n) for n in lengths])[None].to(device),
         gather=(offsets[:, None] + t[None] - 1).clamp(0, sum(lengths) - 1).to(device),
         valid=((t[None] >= 1) & (t[None] < lengths_t[:, None])).to(device),
-        fields={k: v.to(device) for k, v in fields.items()},
+        inputs=inputs,
         indices=names,
         routed_experts=routes,
         action_positions=action_positions.to(device),

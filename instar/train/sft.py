@@ -18,17 +18,17 @@ from instar.config import SFTConfig
 from instar.contract import Sample
 from instar.data.sft import load_sft_samples
 from instar.train import checkpoint
-from instar.train.batch import shard_samples
+from instar.train.batch import LossInputs, shard_samples
 from instar.train.launch import cpu_threads, free_port, run_ranks
 from instar.train.model import load_tokenizer
 from instar.train.parallel import all_reduce
 from instar.train.worker import TrainWorker
 
 
-def sft_loss(logprobs: Tensor, entropy: Tensor, fields: dict[str, Tensor]) -> tuple[Tensor, dict[str, Any]]:
+def sft_loss(logprobs: Tensor, entropy: Tensor, x: LossInputs) -> tuple[Tensor, dict[str, Any]]:
     """This micro-batch's share of the mean NLL over all assistant tokens of the step."""
-    nll = -torch.where(fields["action_mask"], logprobs, 0).sum()
-    return nll / fields["global_num_action_tokens"], {}
+    nll = -torch.where(x.action_mask, logprobs, 0).sum()
+    return nll / x.global_num_action_tokens, {}
 
 
 def run_sft(cfg: SFTConfig) -> dict[str, float]:

@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from instar.config import ActorConfig, CriticConfig, FSDPConfig, TrainConfig
 from instar.contract import Sample
 from instar.train import checkpoint, weight_sync
-from instar.train.batch import Extras, MicroBatch, collate, plan_micro_batches, right_pad, shard_samples
+from instar.train.batch import LossInputs, MicroBatch, StepInputs, collate, plan_micro_batches, right_pad, shard_samples
 from instar.train.model import forward_logits, load_model, load_tokenizer, load_value_model, next_token_logprobs
 from instar.train.moe import freeze_routers, replay_routes
 from instar.train.optim import build_optimizer, build_scheduler
@@ -38,12 +38,12 @@ class TrainStats:
     ref_kl: float | None = None
 
 
-LossFn = Callable[[Tensor, Tensor, dict[str, Tensor]], tuple[Tensor, dict[str, Any]]]
-"""Policy loss: ``(logprobs [B,T], entropy [B,T], micro_batch fields) -> (loss, metrics)``. The loss is
-this micro-batch's share of the global token mean (sum / ``fields["global_num_action_tokens"]``);
-metrics are shares too: they are summed over micro-batches and ranks."""
-ValueLossFn = Callable[[Tensor, dict[str, Tensor]], tuple[Tensor, dict[str, Any]]]
-"""Critic loss: ``(values [B,T], micro_batch fields) -> (loss, metrics)``, with the same share rule."""
+LossFn = Callable[[Tensor, Tensor, LossInputs], tuple[Tensor, dict[str, Any]]]
+"""Policy loss: ``(logprobs [B,T], entropy [B,T], inputs) -> (loss, metrics)``. The loss is this
+micro-batch's share of the global token mean (sum / ``inputs.global_num_action_tokens``); metrics
+are shares too: they are summed over micro-batches and ranks."""
+ValueLossFn = Callable[[Tensor, LossInputs], tuple[Tensor, dict[str, Any]]]
+"""Critic loss: ``(values [B,T], inputs) -> (loss, metrics)``, with the same share rule."""
 
 
 class TrainWorker:
@@ -83,17 +83,17 @@ class TrainWorker:
 
     # ---- forward passes -------------------------------------------------------------------------
 
-    def _micro_batches(self, samples: list[Sample], extras: Extras | None = None,
+    def _micro_batches(self, samples: list[Sample], inputs: StepInputs | None = None,
                        indices: list[int] | None = None) -> Iterator[tuple[MicroBatch, bool]]:
         """Packed micro-batches, padded with repeats (flagged ``True``) to the largest count on any
         rank: FSDP gathers parameters collectively, so every rank must run as many passes. ``indices``
-        name the samples in the lists of ``extras`` (default: their position)."""
+        name the samples in the lists of ``inputs`` (default: their position)."""
         plan = plan_micro_batches([len(s.token_ids) for s in samples], self.train.max_tokens_per_gpu)
         if not plan:
             raise ValueError(f"trainer rank {self.rank} got no samples; give every rank at least one")
         count = int(all_reduce([len(plan)], op="max")[0])
         for k in range(count):
-            mb = collate(samples, plan[min(k, len(plan) - 1)], extras, self.device, indices)
+            mb = collate(samples, plan[min(k, len(plan) - 1)], inputs, self.device, indices)
             yield mb, k >= len(plan)
 
     def _replay(self, model: nn.Module, mb: MicroBatch):
@@ -135,18 +135,19 @@ class TrainWorker:
 
     # ---- optimizer steps ------------------------------------------------------------------------
 
-    def train_policy(self, samples: list[Sample], loss_fn: LossFn, extras: Extras | None = None,
+    def train_policy(self, samples: list[Sample], loss_fn: LossFn, inputs: StepInputs | None = None,
                      temperature: float = 1.0, updates: list[list[int]] | None = None) -> TrainStats:
         """Optimizer updates of the policy, one per entry of ``updates`` (index lists into ``samples``;
-        default: one update over all of them). ``samples`` and ``extras`` are the whole batch, the same on
+        default: one update over all of them). ``samples`` and ``inputs`` are the whole batch, the same on
         every rank; each rank takes its token-balanced share of each update.
 
         "Old" logprobs (the policy before the first update, the denominator of the PPO ratio) come from
-        ``extras["old_logprobs"]`` when given. Otherwise the first update uses its own forward, detached
+        ``inputs.old_logprobs`` when given. Otherwise the first update uses its own forward, detached
         (ratio exactly 1, no extra pass), and only samples used later get a no-grad pass first."""
         updates = updates or [list(range(len(samples)))]
-        extras = dict(extras or {})
-        old: list[Tensor | None] = extras.pop("old_logprobs", None) or [None] * len(samples)
+        inputs = inputs or StepInputs()
+        old: list[Tensor | None] = list(inputs.old_logprobs or [None] * len(samples))
+        inputs = replace(inputs, old_logprobs=None)  # set per micro-batch below
         later = sorted(set().union(*updates[1:]) - set(updates[0])) if len(updates) > 1 else []
         captured: dict[int, Tensor] = {}  # this rank's old logprobs, shared with the others after update 0
         if later and any(old[i] is None for i in later):
@@ -159,31 +160,31 @@ class TrainWorker:
             logp, entropy = next_token_logprobs(logits, mb.input_ids, temperature, positions=mb.action_positions)
             logp = mb.unpack(logp)
             if old[mb.indices[0]] is None:  # the first update: its own forward is the old policy
-                mb.fields["old_logprobs"] = logp.detach()
+                mb.inputs.old_logprobs = logp.detach()
                 captured.update(zip(mb.indices, mb.split(logp)))
             else:
-                mb.fields["old_logprobs"] = right_pad([old[i] for i in mb.indices], logp.shape[1]).to(self.device)
-            return loss_fn(logp, mb.unpack(entropy), mb.fields)
+                mb.inputs.old_logprobs = right_pad([old[i] for i in mb.indices], logp.shape[1]).to(self.device)
+            return loss_fn(logp, mb.unpack(entropy), mb.inputs)
 
         def after_first_update() -> None:  # later updates (and epochs) compare against the same old policy
             if len(updates) > 1:
                 for part in all_gather_objects(captured):
                     for i, lp in part.items():
                         old[i] = lp
-        return self._updates(self.policy, self.optimizer, self.scheduler, samples, extras, updates, loss_of, "actor",
+        return self._updates(self.policy, self.optimizer, self.scheduler, samples, inputs, updates, loss_of, "actor",
                              after_first_update)
 
-    def train_step(self, samples: list[Sample], loss_fn: LossFn, extras: Extras | None = None,
+    def train_step(self, samples: list[Sample], loss_fn: LossFn, inputs: StepInputs | None = None,
                    temperature: float = 1.0) -> dict[str, float]:
         """One update on all of ``samples`` (the same on every rank); its metrics."""
-        return self.train_policy(samples, loss_fn, extras, temperature).metrics
+        return self.train_policy(samples, loss_fn, inputs, temperature).metrics
 
-    def train_critic(self, samples: list[Sample], loss_fn: ValueLossFn, extras: Extras | None = None,
+    def train_critic(self, samples: list[Sample], loss_fn: ValueLossFn, inputs: StepInputs,
                      updates: list[list[int]] | None = None) -> TrainStats:
-        """Critic updates (extras: old_values, returns), split like `train_policy`."""
+        """Critic updates (``inputs.old_values``, ``inputs.returns``), split like `train_policy`."""
         def loss_of(mb: MicroBatch) -> tuple[Tensor, dict[str, Any]]:
-            return loss_fn(mb.unpack(self.critic(mb.input_ids, mb.position_ids)[0]), mb.fields)
-        return self._updates(self.critic, self.critic_optimizer, self.critic_scheduler, samples, extras or {},
+            return loss_fn(mb.unpack(self.critic(mb.input_ids, mb.position_ids)[0]), mb.inputs)
+        return self._updates(self.critic, self.critic_optimizer, self.critic_scheduler, samples, inputs,
                              updates or [list(range(len(samples)))], loss_of, "critic")
 
     def _share(self, samples: list[Sample], indices: list[int]) -> list[int]:
@@ -192,7 +193,7 @@ class TrainWorker:
         return [indices[k] for k in shards[self.rank]]
 
     def _updates(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, samples: list[Sample],
-                 extras: Extras, updates: list[list[int]], loss_of: Callable, prefix: str,
+                 inputs: StepInputs, updates: list[list[int]], loss_of: Callable, prefix: str,
                  after_first: Callable[[], None] | None = None) -> TrainStats:
         start, clip = time.perf_counter(), self.actor.max_grad_norm if self.actor.max_grad_norm > 0 else float("inf")
         lr = optimizer.param_groups[0]["lr"]
@@ -202,8 +203,8 @@ class TrainWorker:
             global_tokens = sum(samples[i].num_actions for i in update)
             optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
-            for mb, repeat in self._micro_batches([samples[i] for i in mine], extras, mine):
-                mb.fields["global_num_action_tokens"] = torch.tensor(global_tokens, device=self.device)
+            for mb, repeat in self._micro_batches([samples[i] for i in mine], inputs, mine):
+                mb.inputs.global_num_action_tokens = torch.tensor(global_tokens, device=self.device)
                 with self._replay(model, mb):
                     loss, metrics = loss_of(mb)
                     # FSDP averages gradients over ranks, but each rank's loss is already its share of the
