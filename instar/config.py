@@ -237,10 +237,14 @@ class TrainConfig:
     """Passes over each rollout batch's mini-batches (reshuffled every pass)."""
     max_tokens_per_gpu: int = 16384
     """Token budget of one trainer micro-batch (packed, no padding)."""
+    max_barren_batches: int = 10
+    """Stop the run after this many rollout batches in a row leave nothing to train on (every rollout
+    dropped, or every group rejected by --algo.dynamic_filter); each one is logged with its reason."""
     routing_replay: bool = False
     """MoE: replay the experts the engine routed to in the training forward (R3)."""
     rollout_dump_dir: str | None = None
-    """Write every trajectory as JSONL here."""
+    """Write every trained trajectory here, one step_N.jsonl per step (a fresh run first deletes the step
+    files there; a resumed one those past its checkpoint)."""
     rollout_replay_dir: str | None = None
     """Train from a rollout dump instead of engines (reproduce / debug a step)."""
 
@@ -257,6 +261,8 @@ class CkptConfig:
     """Keep at most this many checkpoints."""
     load_enable: bool = False
     """Resume from the latest checkpoint in --ckpt.output_dir."""
+    overwrite: bool = False
+    """Start afresh in an --ckpt.output_dir that holds a run: delete its checkpoints, ledger, metrics, exports."""
     hf_save_steps: int = 0
     """Export an HF model every N steps; 0 exports only at the end."""
 

@@ -21,13 +21,14 @@ from pathlib import Path
 from instar.algo import KLController
 from instar.checks import check
 from instar.config import ConfigError, RLConfig
-from instar.contract import SamplingParams, Trajectory, write_jsonl
+from instar.contract import SamplingParams, write_jsonl
 from instar.data.prompts import PromptStream, load_prompts
 from instar.runtime import batching
 from instar.runtime.cluster import Cluster
-from instar.runtime.metrics import MetricsLogger
-from instar.runtime.pool import Group, ReplayPool, RolloutPool
-from instar.train import checkpoint
+from instar.runtime.evaluate import evaluate as evaluate_agents
+from instar.runtime.metrics import MetricsLogger, Usage
+from instar.runtime.pool import Group, Pool, PoolState, ReplayPool, RolloutPool
+from instar.train import checkpoint, run_dir
 from instar.train.batch import StepInputs
 
 
@@ -46,7 +47,7 @@ def evaluate(cfg: RLConfig) -> dict[str, float]:
 
     async def go() -> dict[str, float]:
         async with Cluster(cfg, train=False) as cluster:
-            return await cluster.evaluate(cfg, sampling_params(cfg))
+            return await evaluate_agents(cluster.agents, cfg, sampling_params(cfg))
     return asyncio.run(go())
 
 
@@ -56,39 +57,41 @@ def sampling_params(cfg: RLConfig) -> SamplingParams:
 
 
 async def _run(cfg: RLConfig) -> dict[str, float]:
+    run_dir.prepare_run_dir(cfg.ckpt)
     out = Path(cfg.ckpt.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1, default=str))
     stream = PromptStream(load_prompts(cfg.data.prompt_dataset, cfg.data), cfg.actor.seed, cfg.data.shuffle)
     kl = KLController.from_config(cfg.algo.kl)
+    r, sampling = cfg.rollout, sampling_params(cfg)
     async with Cluster(cfg) as cluster:
-        step, pending = await resume(cfg, cluster, stream, kl)
-        r, sampling = cfg.rollout, sampling_params(cfg)
-        if cfg.train.rollout_replay_dir:
-            pool = ReplayPool(cfg.train.rollout_replay_dir, step)
-        else:
-            pool = RolloutPool(cluster.agents, stream, cfg, sampling)
-            pool.done, pool.version = pending, step
+        step, pool_state = await resume(cfg, cluster, stream, kl)
+        pool: Pool = (ReplayPool(cfg.train.rollout_replay_dir, step) if cfg.train.rollout_replay_dir
+                      else RolloutPool(cluster.agents, stream, cfg, sampling, pool_state))
+        usage = Usage(cluster.agents, cluster.engines)
         logger = MetricsLogger(out, cfg.log, cfg.train.max_steps, step, asdict(cfg))
-        logger.truncate_after(step)
-        if cfg.eval.dataset and step == 0 and cluster.agents:
-            logger.log(0, await cluster.evaluate(cfg, sampling))
+        logger.truncate_after(step if step else -1)  # a run resumed at 0 evaluates step 0 again
+
         def eval_due(step: int) -> bool:
             return bool(cfg.eval.dataset and cluster.agents and cfg.eval.steps and step % cfg.eval.steps == 0)
 
+        if eval_due(0) and step == 0:
+            logger.log(0, await evaluate_agents(cluster.agents, cfg, sampling))
         metrics: dict[str, float] = {}
-        barren = 0  # consecutive batches in which every rollout was dropped
+        barren = 0  # consecutive batches that left nothing to train on
         while step < cfg.train.max_steps:
             t0 = time.perf_counter()
             groups = await pool.next_batch(r.batch_size)
             t_gen = time.perf_counter()
-            kept, metrics = batching.select(groups, cfg)
+            kept, rejected, metrics = batching.select(groups, cfg)
+            mark(stream, out, step + 1, rejected, "filtered")
             if not kept:  # everything filtered or dropped: nothing to learn from, draw again
-                mark(stream, out, step, groups, "filtered")
-                barren = barren + 1 if metrics.get("dropped/empty_group") == len(groups) else 0
-                if barren == 3:
-                    raise RuntimeError(f"every rollout of 3 batches in a row was dropped; agent-runner counts: "
-                                       f"{await cluster.metrics()} (see the agent runners' log for the errors)")
+                barren += 1
+                why = barren_reason(metrics, await usage.read())
+                logger.note(f"step {step + 1}: nothing to train on in batch {barren} in a row: {why}")
+                if barren == cfg.train.max_barren_batches:
+                    raise RuntimeError(f"{barren} rollout batches in a row left nothing to train on "
+                                       f"(--train.max_barren_batches); the last: {why}")
                 continue
             barren = 0
             rows = batching.to_rows(kept)
@@ -103,81 +106,86 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
             t_logp = time.perf_counter()
             adv, returns, adv_metrics = batching.advantages(cfg, rows, old, ref, values, kl.value)
             updates = batching.mini_batches(rows, cfg, step)
-            inputs = StepInputs(advantages=adv, old_logprobs=old, ref_logprobs=ref)
-            loss_fn = partial(batching.rl_loss, cfg, kl.value)
-            stats = await cluster.trainer.train_policy(rows.samples, loss_fn, inputs, temp, updates)
+            stats = await cluster.trainer.train_policy(
+                rows.samples, partial(batching.rl_loss, cfg, kl.value),
+                StepInputs(advantages=adv, old_logprobs=old, ref_logprobs=ref), temp, updates)
             metrics |= stats.metrics
             if values is not None:
-                metrics |= await cluster.critic_step(rows.samples, values, returns, updates)
+                critic = await cluster.trainer.train_critic(rows.samples, partial(batching.critic_loss, cfg),
+                                                            StepInputs(old_values=values, returns=returns), updates)
+                metrics |= critic.metrics
             t_train = time.perf_counter()
             step += 1
             metrics |= await cluster.sync_weights(step, keep_in_flight=cfg.train.partial_rollout_enable)
-            pool.version = step
-            if cfg.train.force_sync_mode:
-                pool.fill()
+            pool.weights_updated()
             t_sync = time.perf_counter()
             if stats.ref_kl is not None:
                 kl.update(stats.ref_kl, len(rows.trajectories))
             mark(stream, out, step, kept, "trained")
-            mark(stream, out, step, [g for g in groups if all(g is not k for k in kept)], "filtered")
             if cfg.train.rollout_dump_dir:
                 Path(cfg.train.rollout_dump_dir).mkdir(parents=True, exist_ok=True)
                 write_jsonl(f"{cfg.train.rollout_dump_dir}/step_{step:06d}.jsonl", rows.trajectories)
-            metrics |= adv_metrics | batching.rollout_metrics(rows.trajectories, step - 1) | await cluster.metrics()
+            metrics |= adv_metrics | batching.rollout_metrics(rows.trajectories, step - 1) | await usage.read()
             # trainer_idle: waiting for finished rollouts (generation that did not overlap training)
             metrics |= {"kl_coef": kl.value, "time/trainer_idle": t_gen - t0, "time/logprobs": t_logp - t_gen,
                         "time/train": t_train - t_logp, "time/weight_sync": t_sync - t_train,
                         "time/step": t_sync - t0,
                         "tokens_per_second": sum(len(s.token_ids) for s in rows.samples) / max(t_sync - t0, 1e-9)}
             if eval_due(step):
-                metrics |= await cluster.evaluate(cfg, sampling, step)
+                metrics |= await evaluate_agents(cluster.agents, cfg, sampling, step)
             logger.log(step, metrics)
             if (cfg.ckpt.save_steps and step % cfg.ckpt.save_steps == 0) or step == cfg.train.max_steps:
-                await save(cfg, cluster, step, stream, kl, pool.pending())
+                await save(cfg, cluster, step, stream, kl, pool.state())
             if cfg.ckpt.hf_save_steps and step % cfg.ckpt.hf_save_steps == 0:
                 await cluster.trainer.export_hf(str(out / f"hf_step_{step}"))
         if cfg.eval.dataset and cluster.agents and not eval_due(step):  # the final eval, unless just done
-            logger.log(step, metrics | await cluster.evaluate(cfg, sampling, step))
+            logger.log(step, metrics | await evaluate_agents(cluster.agents, cfg, sampling, step))
         await cluster.trainer.export_hf(str(out / "hf"))
         await pool.close()
         logger.close()
     return metrics
 
 
+def barren_reason(metrics: dict[str, float], usage: dict[str, float]) -> str:
+    """Why a batch left nothing to train on, from its selection metrics and the agent-runner counts."""
+    if "dynamic_filter/pass_rate" in metrics:
+        return (f"--algo.dynamic_filter rejected every group (pass rate {metrics['dynamic_filter/pass_rate']:.2f}: "
+                "every group scored all the same)")
+    drops = {k: v for k, v in usage.items() if k.startswith("agent/dropped_")}
+    return f"every rollout was dropped or invalid ({metrics}; agent-runner counts so far: {drops}; see their log)"
+
+
 def mark(stream: PromptStream, out: Path, step: int, groups: list[Group], outcome: str) -> None:
-    """The data ledger: one line per prompt group with its fate; trained ones are also in the stream."""
+    """The data ledger: one line per prompt group with its fate, also told to the stream (which then
+    does not serve the prompt again this epoch, across resumes too)."""
     with (out / "ledger.jsonl").open("a") as f:
         for g in groups:
-            if outcome == "trained" and g.epoch >= 0:
-                stream.mark_trained(g.epoch, g.prompt_index)
+            if g.epoch >= 0:  # replayed groups are not drawn from the stream
+                (stream.mark_trained if outcome == "trained" else stream.mark_rejected)(g.epoch, g.prompt_index)
             f.write(json.dumps({"step": step, "epoch": g.epoch, "prompt_index": g.prompt_index,
                                 "outcome": outcome}) + "\n")
 
 
 async def save(cfg: RLConfig, cluster: Cluster, step: int, stream: PromptStream, kl: KLController,
-               pending: list[Group]) -> None:
+               pool: PoolState) -> None:
     ledger = Path(cfg.ckpt.output_dir) / "ledger.jsonl"
-    extra = {"step": step, "stream": stream.state_dict(), "kl": kl.state_dict(),
-             "ledger_lines": len(ledger.read_text().splitlines()) if ledger.exists() else 0,
-             "pending": [(g.group_id, g.epoch, g.prompt_index, g.launch_version, [t.to_json() for t in g.trajectories])
-                         for g in pending]}
+    extra = {"step": step, "stream": stream.state_dict(), "kl": kl.state_dict(), "pool": pool.to_json(),
+             "ledger_lines": len(ledger.read_text().splitlines()) if ledger.exists() else 0}
     await cluster.trainer.save(str(Path(cfg.ckpt.output_dir) / "checkpoints"), extra, cfg.ckpt.max_num)
 
 
-async def resume(cfg: RLConfig, cluster: Cluster, stream: PromptStream, kl: KLController) -> tuple[int, list[Group]]:
+async def resume(cfg: RLConfig, cluster: Cluster, stream: PromptStream, kl: KLController) -> tuple[int, PoolState]:
     """Restore the latest checkpoint when --ckpt.load_enable: weights (pushed to the engines), data
     position, ledger, KL controller, and the rollouts that were generated but not yet trained."""
     path = checkpoint.latest(str(Path(cfg.ckpt.output_dir) / "checkpoints")) if cfg.ckpt.load_enable else None
+    extra = await cluster.trainer.load(path) if path else {"step": 0, "ledger_lines": 0}
+    # What was written after the checkpoint (or by a run that died before its first) is redone now
+    run_dir.truncate_lines(Path(cfg.ckpt.output_dir) / "ledger.jsonl", extra["ledger_lines"])
+    run_dir.truncate_dumps(cfg.train.rollout_dump_dir, extra["step"])
     if path is None:
-        return 0, []
-    extra = await cluster.trainer.load(path)
-    pending = [Group(gid, epoch, index, version, [Trajectory.from_json(t) for t in trajs])
-               for gid, epoch, index, version, trajs in extra["pending"]]
-    stream.load_state_dict(extra["stream"], pending=[(g.epoch, g.prompt_index) for g in pending])
+        return 0, PoolState()
+    pool = PoolState.from_json(extra["pool"])
+    stream.load_state_dict(extra["stream"], pending=[(g.epoch, g.prompt_index) for g in pool.pending])
     kl.load_state_dict(extra["kl"])
-    ledger = Path(cfg.ckpt.output_dir) / "ledger.jsonl"
-    if ledger.exists():  # lines written after the checkpoint belong to steps this run redoes
-        lines = ledger.read_text().splitlines()[: extra["ledger_lines"]]
-        ledger.write_text("".join(line + "\n" for line in lines))
     await cluster.sync_weights(extra["step"], keep_in_flight=False)
-    return extra["step"], pending
+    return extra["step"], pool

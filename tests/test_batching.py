@@ -1,11 +1,13 @@
 """From finished groups to trainer rows: validation, dynamic filter, row layout, rollout metrics."""
 
+import json
+
 import torch
 
 from instar.config import RLConfig
 from instar.contract import Sample, Trajectory
 from instar.runtime.batching import mini_batches, rollout_metrics, select, to_rows
-from instar.runtime.pool import Group
+from instar.runtime.pool import Group, PoolState
 
 
 def traj(reward, versions=(3, 3), segments=1, valid=True, rid="r"):
@@ -15,25 +17,26 @@ def traj(reward, versions=(3, 3), segments=1, valid=True, rid="r"):
 
 
 def test_select_drops_invalid_and_empty_groups_by_reason():
-    groups = [Group(0, 0, 5, 0, [traj(1.0), traj(0.0, valid=False)]), Group(1, 0, 6, 0, [traj(0.0, valid=False)])]
-    kept, metrics = select(groups, RLConfig())
-    assert [g.prompt_index for g in kept] == [5]
+    groups = [Group(0, 0, 5, [traj(1.0), traj(0.0, valid=False)]), Group(1, 0, 6, [traj(0.0, valid=False)])]
+    kept, rejected, metrics = select(groups, RLConfig())
+    assert [g.prompt_index for g in kept] == [5] and [g.prompt_index for g in rejected] == [6]
     assert len(kept[0].trajectories) == 1
+    assert len(groups[0].trajectories) == 2  # the caller's groups are left as they came
     assert metrics == {"dropped/invalid": 2.0, "dropped/empty_group": 1.0}
 
 
 def test_dynamic_filter_keeps_groups_with_mixed_scores():
     cfg = RLConfig()
     cfg.algo.dynamic_filter = (0.0, 1.0)
-    groups = [Group(0, 0, 0, 0, [traj(1.0), traj(1.0)]), Group(1, 0, 1, 0, [traj(0.0), traj(1.0)]),
-              Group(2, 0, 2, 0, [traj(0.0), traj(0.0)])]
-    kept, metrics = select(groups, cfg)
-    assert [g.prompt_index for g in kept] == [1]
+    groups = [Group(0, 0, 0, [traj(1.0), traj(1.0)]), Group(1, 0, 1, [traj(0.0), traj(1.0)]),
+              Group(2, 0, 2, [traj(0.0), traj(0.0)])]
+    kept, rejected, metrics = select(groups, cfg)
+    assert [g.prompt_index for g in kept] == [1] and [g.prompt_index for g in rejected] == [0, 2]
     assert metrics["dynamic_filter/pass_rate"] == 1 / 3
 
 
 def test_rows_keep_trajectory_segments_adjacent():
-    groups = [Group(0, 0, 0, 0, [traj(1.0, segments=2), traj(0.5)]), Group(1, 0, 1, 0, [traj(0.0)])]
+    groups = [Group(0, 0, 0, [traj(1.0, segments=2), traj(0.5)]), Group(1, 0, 1, [traj(0.0)])]
     rows = to_rows(groups)
     assert len(rows.samples) == 4
     assert rows.traj_index.tolist() == [0, 0, 1, 2]
@@ -51,8 +54,8 @@ def test_rollout_metrics_staleness_and_lengths():
 
 def test_mini_batches_deal_whole_trajectories_into_updates():
     # 4 trajectories (the first two have 2 segments): rows 0-1, 2-3, 4, 5
-    groups = [Group(0, 0, 0, 0, [traj(1.0, segments=2), traj(0.5, segments=2)]),
-              Group(1, 0, 1, 0, [traj(0.0), traj(1.0)])]
+    groups = [Group(0, 0, 0, [traj(1.0, segments=2), traj(0.5, segments=2)]),
+              Group(1, 0, 1, [traj(0.0), traj(1.0)])]
     rows = to_rows(groups)
     cfg = RLConfig()
     cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt = 2, 2
@@ -72,3 +75,10 @@ def test_mini_batches_deal_whole_trajectories_into_updates():
     assert all(sorted(sum(epochs[e:e + 2], [])) == [0, 1, 2, 3, 4, 5] for e in (0, 2, 4))
     cfg.fsdp.num_ranks = 3  # 4 trajectories cannot feed 2 updates x 3 ranks: one update, every rank fed
     assert len(mini_batches(rows, cfg, step=0)) == 3
+
+
+def test_group_round_trips_through_json():
+    state = PoolState([Group(7, 2, 5, [traj(1.0, segments=2), traj(0.0)])], next_group_id=9)
+    back = PoolState.from_json(json.loads(json.dumps(state.to_json())))
+    assert back.next_group_id == 9 and [(g.group_id, g.epoch, g.prompt_index) for g in back.pending] == [(7, 2, 5)]
+    assert [t.to_json() for t in back.pending[0].trajectories] == [t.to_json() for t in state.pending[0].trajectories]

@@ -60,3 +60,16 @@ def test_resume_hands_out_exactly_the_untrained(tmp_path):
     for e, p in trained:
         with pytest.raises(RuntimeError, match="already trained"):
             resumed.mark_trained(e, p.index)
+
+
+def test_rejected_prompts_are_not_served_again_after_a_resume(tmp_path):
+    prompts = load_prompts(write(tmp_path, [{"prompt": str(i)} for i in range(4)]), DataConfig())
+    s = PromptStream(prompts, seed=0)
+    epoch0 = [s.next() for _ in range(4)]
+    s.mark_rejected(*[(e, p.index) for e, p in epoch0[:1]][0])  # the dynamic filter rejected its group
+    for e, p in epoch0[1:]:
+        s.mark_trained(e, p.index)
+    resumed = PromptStream(prompts, seed=0)
+    resumed.load_state_dict(s.state_dict())
+    served = [(e, p.index) for e, p in (resumed.next() for _ in range(4))]
+    assert sorted(served) == [(1, 0), (1, 1), (1, 2), (1, 3)]  # none of epoch 0; the next epoch serves it again

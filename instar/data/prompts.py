@@ -73,6 +73,7 @@ class PromptStream:
         self.prompts, self.seed, self.shuffle = prompts, seed, shuffle
         self.epoch, self.cursor = 0, 0
         self.trained: set[tuple[int, int]] = set()
+        self.rejected: set[tuple[int, int]] = set()  # groups the loop could not train on (filtered, dropped)
         self.skip: set[tuple[int, int]] = set()  # handed out before a resume and still pending
 
     def _order(self, epoch: int) -> list[int]:
@@ -89,7 +90,7 @@ class PromptStream:
             index = self._order(self.epoch)[self.cursor]
             self.cursor += 1
             key = (self.epoch, index)
-            if key not in self.trained and key not in self.skip:
+            if key not in self.trained and key not in self.rejected and key not in self.skip:
                 return self.epoch, self.prompts[index]
 
     def mark_trained(self, epoch: int, index: int) -> None:
@@ -98,16 +99,23 @@ class PromptStream:
             raise RuntimeError(f"prompt {index} of epoch {epoch} was already trained; the data ledger is corrupt")
         self.trained.add(key)
 
+    def mark_rejected(self, epoch: int, index: int) -> None:
+        """Consumed without training (filtered or every rollout dropped): not served again this epoch."""
+        self.rejected.add((epoch, index))
+
     def state_dict(self) -> dict[str, Any]:
         # Resume from the oldest epoch with an untrained prompt: one handed out at the end of the
         # previous epoch may still have been in flight.
-        counts = Counter(epoch for epoch, _ in self.trained)
+        done = self.trained | self.rejected
+        counts = Counter(epoch for epoch, _ in done)
         first = next((e for e in range(self.epoch + 1) if counts[e] < len(self.prompts)), self.epoch)
-        return {"epoch": first, "trained": sorted(k for k in self.trained if k[0] >= first)}
+        return {"epoch": first, "trained": sorted(k for k in self.trained if k[0] >= first),
+                "rejected": sorted(k for k in self.rejected if k[0] >= first)}
 
     def load_state_dict(self, state: dict[str, Any], pending: list[tuple[int, int]] = ()) -> None:
-        """Restart the recorded epoch from its beginning, skipping what was trained or is pending:
+        """Restart the recorded epoch from its beginning, skipping what was trained, rejected or is pending:
         whatever was in flight when the run died is simply handed out again."""
         self.epoch, self.cursor = state["epoch"], 0
         self.trained = {tuple(k) for k in state["trained"]}
+        self.rejected = {tuple(k) for k in state["rejected"]}
         self.skip = set(pending)

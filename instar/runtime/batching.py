@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -29,10 +29,11 @@ class Rows:
     trajectories: list[Trajectory]
 
 
-def select(groups: list[Group], cfg: RLConfig) -> tuple[list[Group], dict[str, float]]:
-    """Drop invalid trajectories and empty groups (counted by reason), then apply the dynamic filter."""
+def select(groups: list[Group], cfg: RLConfig) -> tuple[list[Group], list[Group], dict[str, float]]:
+    """(kept, rejected, metrics): invalid trajectories dropped (counted by reason), groups left empty
+    rejected, then the dynamic filter. Kept groups are copies holding only valid trajectories."""
     dropped: Counter[str] = Counter()
-    kept = []
+    kept, rejected = [], []
     for g in groups:
         valid = []
         for t in g.trajectories:
@@ -41,19 +42,20 @@ def select(groups: list[Group], cfg: RLConfig) -> tuple[list[Group], dict[str, f
                 valid.append(t)
             except ContractError:
                 dropped["invalid"] += 1
-        g.trajectories = valid
         if valid:
-            kept.append(g)
+            kept.append(replace(g, trajectories=valid))
         else:
+            rejected.append(g)
             dropped["empty_group"] += 1
     metrics = {f"dropped/{k}": float(v) for k, v in dropped.items()}
     if cfg.algo.dynamic_filter is not None and kept:
         scores = torch.tensor([t.outcome for g in kept for t in g.trajectories])
         index = torch.tensor([k for k, g in enumerate(kept) for _ in g.trajectories])
         keep, pass_rate = dynamic_filter(scores, index, cfg.algo.dynamic_filter)
+        rejected += [g for k, g in enumerate(kept) if not keep[index == k].all()]
         kept = [g for k, g in enumerate(kept) if keep[index == k].all()]
         metrics["dynamic_filter/pass_rate"] = pass_rate
-    return kept, metrics
+    return kept, rejected, metrics
 
 
 def to_rows(groups: list[Group]) -> Rows:

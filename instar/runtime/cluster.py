@@ -7,22 +7,15 @@ import asyncio
 import importlib.util
 import os
 import time
-from functools import partial
-from pathlib import Path
 from typing import Any
 
 import ray
 
 from instar.checks import choose_engine
 from instar.config import RLConfig
-from instar.contract import SamplingParams, write_jsonl
-from instar.data.prompts import load_prompts
 from instar.runtime.agents import AgentActor
-from instar.runtime.batching import critic_loss
 from instar.runtime.engines import EngineActor
-from instar.runtime.pool import group_tasks
 from instar.runtime.trainer_group import TrainerGroup
-from instar.train.batch import StepInputs
 
 
 class Cluster:
@@ -33,7 +26,6 @@ class Cluster:
         self.has_ref = cfg.algo.kl.coef > 0 or adv.estimator == "on_policy_distill"
         self.has_critic = adv.estimator == "gae"
         self.started_ray = False
-        self._last_use: tuple[float, dict[str, float]] = (time.perf_counter(), {})  # for per-step deltas
 
     async def __aenter__(self) -> Cluster:
         self.engines, self.agents, self.trainer = [], [], None
@@ -107,55 +99,6 @@ class Cluster:
         for e in self.engines:
             e.resume.remote()
         return results[0] | {"weight_sync/pause_s": t1 - t0, "weight_sync/transfer_s": time.perf_counter() - t1}
-
-    async def critic_step(self, samples: list, values: list, returns: list, updates: list[list[int]]
-                          ) -> dict[str, float]:
-        inputs = StepInputs(old_values=values, returns=returns)
-        return (await self.trainer.train_critic(samples, partial(critic_loss, self.cfg), inputs, updates)).metrics
-
-    async def metrics(self) -> dict[str, float]:
-        """Agent-runner counts (cumulative); engine and agent-actor use since the previous call."""
-        totals: dict[str, float] = {}
-        for m in await asyncio.gather(*(a.metrics.remote() for a in self.agents)):
-            for k, v in m.items():
-                totals[k] = totals.get(k, 0.0) + v
-        now, use = time.perf_counter(), {"agent_cpu_seconds": totals.pop("agent/cpu_seconds", 0.0)}
-        for m in await asyncio.gather(*(e.stats.remote() for e in self.engines)):
-            for k, v in m.items():
-                use[k] = use.get(k, 0.0) + v
-        (then, last), self._last_use = self._last_use, (now, use)
-        delta = {k: v - last.get(k, 0.0) for k, v in use.items()}
-        if now > then:
-            if self.agents:  # none when replaying recorded rollouts
-                totals["agent/cpu_fraction"] = delta["agent_cpu_seconds"] / ((now - then) * len(self.agents))
-            if "busy_seconds" in delta:
-                totals["engine/idle_fraction"] = 1 - delta["busy_seconds"] / ((now - then) * len(self.engines))
-        if delta.get("prompt_tokens"):
-            totals["engine/prefix_hit_rate"] = delta.get("prefix_hit_tokens", 0.0) / delta["prompt_tokens"]
-        return totals
-
-    async def evaluate(self, cfg: RLConfig, sampling: SamplingParams, step: int = 0) -> dict[str, float]:
-        """Accuracy (mean score) and pass@k over --eval.dataset at --eval.temperature, plus greedy
-        accuracy; the trajectories go to --eval.dump_dir when set."""
-        prompts = load_prompts(cfg.eval.dataset, cfg.data)
-        out, dumped = {}, []
-        for name, temp, k in (("eval", cfg.eval.temperature, cfg.eval.n_samples), ("eval_greedy", 0.0, 1)):
-            params = sampling.replace(temperature=temp)
-            groups = [group_tasks(p, p.index, k, params, f"{name}-{p.index}-") for p in prompts]
-            results = await asyncio.gather(*(self.agents[i % len(self.agents)].run_group.remote(g)
-                                             for i, g in enumerate(groups)))
-            dumped += [t for trajs in results for t in trajs]
-            scores = [[t.outcome for t in trajs] for trajs in results]
-            n = sum(len(s) for s in scores)
-            out[f"{name}/accuracy"] = sum(map(sum, scores)) / max(n, 1)
-            out[f"{name}/pass@{k}"] = sum(any(x >= 1.0 for x in s) for s in scores) / len(prompts)
-            out[f"{name}/dropped"] = float(len(prompts) * k - n)
-        if cfg.eval.dump_dir:
-            path = Path(cfg.eval.dump_dir) / f"eval_step_{step:06d}.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.unlink(missing_ok=True)  # a resumed run evaluates this step again
-            write_jsonl(str(path), dumped)
-        return out
 
     async def __aexit__(self, *exc: Any) -> None:
         await asyncio.gather(*(a.close.remote() for a in self.agents), *(e.close.remote() for e in self.engines),

@@ -3,14 +3,18 @@ and a progress bar with the live reward."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from instar.config import LogConfig
+from instar.train.run_dir import atomic_write_text
 
 
 class MetricsLogger:
@@ -48,10 +52,20 @@ class MetricsLogger:
         self.bar.update(step - self.bar.n)
 
     def truncate_after(self, step: int) -> None:
-        """Drop rows past `step` (a resumed run redoes them)."""
+        """Drop rows past `step` (a resumed run redoes them) and a torn line (a kill during a write)."""
         if self.path.exists():
-            rows = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= step]
-            self.path.write_text("".join(r + "\n" for r in rows))
+            rows = []
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= step:
+                        rows.append(line)
+                except json.JSONDecodeError:  # only a torn line: each row is one whole JSON object
+                    continue
+            atomic_write_text(self.path, "".join(r + "\n" for r in rows))
+
+    def note(self, text: str) -> None:
+        """A line for the person watching the run, printed above the progress bar."""
+        self.bar.write(f"instar: {text}", file=sys.stderr)
 
     def close(self) -> None:
         self.bar.close()
@@ -67,3 +81,31 @@ def _plain(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
+
+
+class Usage:
+    """Agent-runner counts (cumulative) and engine / agent-runner use since the previous `read`."""
+
+    def __init__(self, agents: list[Any], engines: list[Any]):
+        self.agents, self.engines = agents, engines
+        self.last: tuple[float, dict[str, float]] = (time.perf_counter(), {})
+
+    async def read(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for m in await asyncio.gather(*(a.metrics.remote() for a in self.agents)):
+            for k, v in m.items():
+                totals[k] = totals.get(k, 0.0) + v
+        now, use = time.perf_counter(), {"agent_cpu_seconds": totals.pop("agent/cpu_seconds", 0.0)}
+        for m in await asyncio.gather(*(e.stats.remote() for e in self.engines)):
+            for k, v in m.items():
+                use[k] = use.get(k, 0.0) + v
+        (then, last), self.last = self.last, (now, use)
+        delta = {k: v - last.get(k, 0.0) for k, v in use.items()}
+        if now > then:
+            if self.agents:  # none when replaying recorded rollouts
+                totals["agent/cpu_fraction"] = delta["agent_cpu_seconds"] / ((now - then) * len(self.agents))
+            if "busy_seconds" in delta:
+                totals["engine/idle_fraction"] = 1 - delta["busy_seconds"] / ((now - then) * len(self.engines))
+        if delta.get("prompt_tokens"):
+            totals["engine/prefix_hit_rate"] = delta.get("prefix_hit_tokens", 0.0) / delta["prompt_tokens"]
+        return totals

@@ -3,7 +3,8 @@ a batch as soon as enough groups have finished; unfinished groups carry over to 
 
 Staleness is bounded by how far generation may run ahead: at most `batch_size * (async_queue_size + 1)`
 groups are launched but not yet consumed, so a group is trained at most `async_queue_size` policy
-versions after the one it started under (FIFO). In sync mode the loop refills only after a weight sync.
+versions after the one it started under (FIFO). In sync mode new groups start only once the weights
+were updated (`weights_updated`), so each batch is sampled by the policy it trains.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from instar.agents.api import Task
 from instar.checks import in_flight_groups, run_ahead_groups
@@ -31,19 +32,59 @@ class Group:
     """One prompt's samples, as they came back (dropped rollouts already removed)."""
 
     group_id: int
-    epoch: int
+    epoch: int  # of the prompt stream; -1 for replayed groups, which are not drawn from it
     prompt_index: int
-    launch_version: int
     trajectories: list[Trajectory] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"group_id": self.group_id, "epoch": self.epoch, "prompt_index": self.prompt_index,
+                "trajectories": [t.to_json() for t in self.trajectories]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Group:
+        return cls(d["group_id"], d["epoch"], d["prompt_index"], [Trajectory.from_json(t) for t in d["trajectories"]])
+
+
+@dataclass
+class PoolState:
+    """What a checkpoint keeps of the pool: finished groups not yet trained, and the next group id."""
+
+    pending: list[Group] = field(default_factory=list)
+    next_group_id: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pending": [g.to_json() for g in self.pending], "next_group_id": self.next_group_id}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PoolState:
+        return cls([Group.from_json(g) for g in d["pending"]], d["next_group_id"])
+
+
+class Pool(Protocol):
+    """Where the loop's batches come from: live rollouts (`RolloutPool`) or a dump (`ReplayPool`)."""
+
+    async def next_batch(self, n: int) -> list[Group]:
+        """The next ``n`` finished groups, oldest first."""
+        ...
+
+    def weights_updated(self) -> None:
+        """The engines run the new policy now (in sync mode, generation starts again here)."""
+        ...
+
+    def state(self) -> PoolState: ...
+
+    async def close(self) -> None: ...
 
 
 class RolloutPool:
-    def __init__(self, agents: list[Any], stream: PromptStream, cfg: RLConfig, sampling: SamplingParams):
+    def __init__(self, agents: list[Any], stream: PromptStream, cfg: RLConfig, sampling: SamplingParams,
+                 state: PoolState | None = None):
+        """``state``: what a checkpoint kept (`state`); its pending groups are handed out first."""
         self.agents, self.stream, self.cfg, self.sampling = agents, stream, cfg, sampling
-        self.version = 0  # the policy version new groups start under
-        self.next_group_id = 0
+        state = state or PoolState()
+        self.done: list[Group] = list(state.pending)
+        self.next_group_id = state.next_group_id
         self.in_flight: dict[asyncio.Task, Group] = {}
-        self.done: list[Group] = []
         self.error: BaseException | None = None
         self.auto_refill = not cfg.train.force_sync_mode
         self.ahead, self.limit = run_ahead_groups(cfg), in_flight_groups(cfg)
@@ -59,7 +100,7 @@ class RolloutPool:
         self.next_group_id += 1
         tasks = group_tasks(prompt, gid, self.cfg.rollout.n_samples_per_prompt, self.sampling, f"g{gid}-s")
         agent = self.agents[gid % len(self.agents)]
-        group = Group(gid, epoch, prompt.index, self.version)
+        group = Group(gid, epoch, prompt.index)
         task = asyncio.ensure_future(self._run(agent, tasks))
         self.in_flight[task] = group
         task.add_done_callback(self._finished)
@@ -92,9 +133,13 @@ class RolloutPool:
         batch, self.done = self.done[:n], self.done[n:]
         return batch
 
-    def pending(self) -> list[Group]:
-        """Finished groups not yet trained (saved with checkpoints so none is lost)."""
-        return list(self.done)
+    def weights_updated(self) -> None:
+        if not self.auto_refill:
+            self.fill()
+
+    def state(self) -> PoolState:
+        """Saved with checkpoints, so no finished group is lost and no group id is used twice."""
+        return PoolState(list(self.done), self.next_group_id)
 
     async def close(self) -> None:
         for task in list(self.in_flight):
@@ -110,23 +155,20 @@ class ReplayPool:
         if not self.files:
             raise FileNotFoundError(f"no step_*.jsonl rollout dumps in {dump_dir!r} (past step {start_step}); "
                                     "write them with --train.rollout_dump_dir")
-        self.version = start_step
 
     async def next_batch(self, n: int) -> list[Group]:
         if not self.files:
             raise RuntimeError("the rollout dump has no more steps; lower --train.max_steps")
         groups: dict[int, Group] = {}
         for t in read_jsonl(str(self.files.pop(0))):
-            # epoch -1: replayed groups are not drawn from the prompt stream, so not entered in its ledger
-            groups.setdefault(t.group_id, Group(t.group_id, -1, t.prompt_index, self.version))
-            groups[t.group_id].trajectories.append(t)
+            groups.setdefault(t.group_id, Group(t.group_id, -1, t.prompt_index)).trajectories.append(t)
         return list(groups.values())
 
-    def fill(self) -> None:
+    def weights_updated(self) -> None:
         pass
 
-    def pending(self) -> list[Group]:
-        return []
+    def state(self) -> PoolState:
+        return PoolState()  # the dump is the state: a resumed replay starts at its step's file
 
     async def close(self) -> None:
         pass

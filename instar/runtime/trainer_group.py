@@ -26,7 +26,7 @@ class _Rank(TrainWorker):
 
     def policy_batch(self, batch: tuple[list[Sample], StepInputs], loss_fn: LossFn, temperature: float,
                      updates: list[list[int]] | None) -> TrainStats:
-        return self.train_policy(*batch, loss_fn=loss_fn, temperature=temperature, updates=updates)
+        return self.train_policy(batch[0], loss_fn, batch[1], temperature, updates)
 
     def critic_batch(self, batch: tuple[list[Sample], StepInputs], loss_fn: ValueLossFn,
                      updates: list[list[int]] | None) -> TrainStats:
