@@ -1,6 +1,6 @@
-"""Checkpoints in one process: round trip of model, optimizer, RNG and metadata; pruning; and that
-an interrupted save never leaves anything `latest` would resume from. The sharded multi-rank resume
-is in test_train_fsdp.py."""
+"""Checkpoints in one process: round trip of model, optimizer, RNG and metadata; pruning; that an
+interrupted save never leaves anything `latest` would resume from, and that a damaged checkpoint is
+skipped for the one before it. The sharded multi-rank resume is in test_train_fsdp.py."""
 
 import os
 import random
@@ -79,3 +79,45 @@ def test_load_refuses_another_world_size(tmp_path):
     torch.save({"step": 1, "world_size": 4}, os.path.join(path, "meta.pt"))
     with pytest.raises(ValueError, match="saved by 4 ranks but 1 are running"):
         checkpoint.load(path, {"net": (model, opt)})
+
+
+def _three_checkpoints(root):
+    model, opt = _model_and_optimizer(0)
+    for step in (1, 2, 3):
+        checkpoint.save(str(root), step, {"net": (model, opt)}, {})
+
+
+@pytest.mark.parametrize("damage,problem", [
+    (lambda d: (d / "meta.pt").write_bytes(bytes((d / "meta.pt").stat().st_size)), "meta.pt: KeyError"),
+    (lambda d: os.truncate(d / "rng_rank0.pt", 10), "rng_rank0.pt: RuntimeError"),
+    (lambda d: os.truncate(d / "__0_0.distcp", 100), "__0_0.distcp: missing or truncated"),
+    # killed during a save whose files were renamed into place but never reached the disk
+    (lambda d: [os.remove(d / f) for f in ("rng_rank0.pt", "__0_0.distcp")], "rng_rank0.pt: FileNotFoundError"),
+    (lambda d: os.remove(d / ".metadata"), ".metadata: FileNotFoundError"),
+])
+def test_latest_skips_a_damaged_checkpoint_for_the_one_before(tmp_path, damage, problem):
+    _three_checkpoints(tmp_path)
+    damage(tmp_path / "step_3")
+    with pytest.warns(UserWarning) as caught:
+        assert checkpoint.latest(str(tmp_path)) == str(tmp_path / "step_2")
+    assert str(caught[0].message) == (f"skipped unreadable checkpoint(s) {tmp_path}/step_3 ({problem}); "
+                                      f"resuming from {tmp_path}/step_2")
+
+
+def test_latest_refuses_when_every_checkpoint_is_damaged(tmp_path):
+    _three_checkpoints(tmp_path)
+    for step in (1, 2, 3):
+        os.truncate(tmp_path / f"step_{step}" / "meta.pt", 0)
+    with pytest.raises(ValueError, match=rf"^no readable checkpoint in {tmp_path}: {tmp_path}/step_3 \(meta.pt: "):
+        checkpoint.latest(str(tmp_path))
+
+
+def test_save_fsyncs_every_file_before_the_rename(tmp_path, monkeypatch):
+    synced = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd)))
+    model, opt = _model_and_optimizer(0)
+    checkpoint.save(str(tmp_path), 1, {"net": (model, opt)}, {})
+    tmp = str(tmp_path / "step_1.tmp")
+    assert {f"{tmp}/meta.pt", f"{tmp}/rng_rank0.pt"} <= set(synced)  # dcp fsyncs the shards itself
+    assert synced[-2:] == [tmp, str(tmp_path)]  # the directory entries, before and after the rename

@@ -1,4 +1,4 @@
-"""metrics.jsonl (+ TensorBoard), resume truncation, and the run report."""
+"""metrics.jsonl (+ TensorBoard), resume truncation (torn last line included), and the run report."""
 
 import json
 
@@ -21,6 +21,18 @@ def test_logger_writes_jsonl_and_tensorboard_and_truncates(tmp_path):
     log.truncate_after(1)  # a run resumed from step 1 redoes steps 2 and 3
     log.close()
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+
+
+def test_truncate_drops_a_torn_last_line(tmp_path):
+    rows = "".join(json.dumps({"step": s, "reward": s / 4}) + "\n" for s in (1, 2, 3))
+    (tmp_path / "metrics.jsonl").write_text(rows + '{"step": 4, "rew')  # killed in the middle of a write
+    log = MetricsLogger(tmp_path, LogConfig(), total_steps=4, start_step=2)
+    log.truncate_after(2)
+    log.log(3, {"reward": 1.0})
+    log.close()
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == [
+        '{"step": 1, "reward": 0.25}', '{"step": 2, "reward": 0.5}', '{"step": 3, "reward": 1.0}']
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
 
 
 def test_report_prints_the_before_after_line(tmp_path, capsys):

@@ -1,10 +1,13 @@
-"""Local rank launcher: one failing rank fails the run at once (results in rank order are checked by
-every multi-rank test)."""
+"""Local rank launcher: one failing or dying rank fails the run at once and takes the others down;
+there is no time limit unless a test asks for one (results in rank order are checked by every
+multi-rank test)."""
 
+import os
 import time
 
 import pytest
 
+from instar.train import launch
 from instar.train.launch import run_ranks
 
 
@@ -17,5 +20,27 @@ def _fail_or_hang(rank, world_size, port, fail_rank):
 def test_a_failing_rank_fails_fast():
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="trainer rank 1 of 2 failed"):
-        run_ranks(_fail_or_hang, 2, 1)
+        run_ranks(_fail_or_hang, 2, 1, timeout=60)
     assert time.monotonic() - start < 30
+
+
+def _die_or_hang(rank, world_size, port, pid_dir):
+    if rank == 0:
+        while not (pid_dir / "rank1").exists():  # the other rank is up and has said who it is
+            time.sleep(0.05)
+        os._exit(7)  # dies without a Python exception, as on a segfault or the OOM killer's signal
+    (pid_dir / f"rank{rank}").write_text(str(os.getpid()))
+    time.sleep(60)
+
+
+def test_a_dying_rank_is_named_with_its_exit_code_and_the_others_are_killed(tmp_path, monkeypatch):
+    timeouts = []
+    wait = launch.wait
+    monkeypatch.setattr(launch, "wait", lambda objects, timeout: (timeouts.append(timeout), wait(objects, timeout))[1])
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^trainer rank 0 of 2 failed \(exit code 7\)"):
+        run_ranks(_die_or_hang, 2, tmp_path)  # no timeout: a real run may take hours
+    assert time.monotonic() - start < 30
+    assert timeouts == [None]  # waited with no deadline
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "rank1").read_text()), 0)

@@ -7,6 +7,8 @@ jsonargparse turns the nested dataclasses of instar/config.py into dotted flags 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import sys
 import typing
 from collections.abc import Callable
@@ -71,8 +73,42 @@ def _run_report(args: ReportArgs) -> None:
     print(f"eval accuracy: before={summary['eval accuracy before']} after={summary['eval accuracy after']}")
 
 
+_HUB_NAME = re.compile(r"\w[\w.-]*(/\w[\w.-]*)?")  # `name` or `org/name`, e.g. Qwen/Qwen3-0.6B
+
+
+def _check_inputs(cfg: RLConfig) -> None:
+    """Missing files, or an agent module that does not load, fail here in seconds rather than inside
+    a Ray actor minutes later."""
+    from instar.agents.api import AgentLoadError, load_agent
+
+    if not cfg.actor.model_name_or_path:
+        raise ConfigError("--actor.model_name_or_path is required: an HF checkpoint directory or hub model name")
+    models = {"actor.model_name_or_path": cfg.actor.model_name_or_path,
+              "actor.ref_model_name_or_path": cfg.actor.ref_model_name_or_path,
+              "critic.model_name_or_path": cfg.critic.model_name_or_path}
+    for flag, path in models.items():
+        if path and not os.path.exists(path) and not _HUB_NAME.fullmatch(path):
+            raise ConfigError(f"--{flag} {path!r} does not exist and is not a hub model name (like "
+                              "Qwen/Qwen3-0.6B); give an HF checkpoint directory")
+    for flag, path in {"data.prompt_dataset": cfg.data.prompt_dataset, "eval.dataset": cfg.eval.dataset}.items():
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"--{flag} {path!r} is not a file; give a JSONL file of prompts")
+    if cfg.train.rollout_replay_dir:  # trains from a dump: no agent runs
+        return
+    if not cfg.train.agent_path:
+        raise ConfigError("--train.agent_path is required: the Python file that defines AgentRunner")
+    try:
+        load_agent(cfg.train.agent_path)
+    except SyntaxError as e:
+        raise ConfigError(f"--train.agent_path {cfg.train.agent_path!r} does not compile: {e.msg} "
+                          f"(line {e.lineno})") from None
+    except AgentLoadError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _run_rl(cfg: RLConfig) -> None:
     check(cfg)
+    _check_inputs(cfg)
     from instar.loop import run  # the loop pulls in Ray and torch.distributed; only load it to run
 
     run(cfg)
@@ -88,8 +124,10 @@ def _run_eval(cfg: RLConfig) -> None:
 
 
 def _run_sft(cfg: SFTConfig) -> None:
+    from instar.train.run_dir import prepare_run_dir
     from instar.train.sft import run_sft
 
+    prepare_run_dir(cfg.ckpt)
     run_sft(cfg)
 
 

@@ -2,9 +2,10 @@
 caller's metadata (scheduler, step, and an ``extra`` dict: data ledger, loader position, KL
 controller, pending rollouts) and every rank's RNG states.
 
-Atomic: everything is written into ``step_N.tmp`` and renamed to ``step_N`` only when complete, so
-a save killed at any point leaves nothing that ``latest`` would pick up. Call every function on
-every trainer rank.
+Atomic: everything is written into ``step_N.tmp``, fsynced, and renamed to ``step_N`` only when
+complete, so a save killed at any point leaves nothing that ``latest`` would pick up; a checkpoint
+damaged anyway (a disk that lost what it acknowledged) is skipped by ``latest`` for the one before it.
+Call every function on every trainer rank.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import random
 import re
 import shutil
+import warnings
 from typing import Any
 
 import torch
@@ -22,6 +24,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
+from instar.train.run_dir import fsync_dir
+
 Stateful = dict[str, tuple[nn.Module, Optimizer | None]]
 """Named (model, optimizer) pairs saved as shards: e.g. {"policy": (model, opt), "critic": ...}."""
 
@@ -29,13 +33,24 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def latest(root: str) -> str | None:
-    """The newest complete checkpoint under ``root`` (``step_N`` with its metadata), or None.
-    ``step_N.tmp`` directories are interrupted saves and never count."""
+    """The newest readable checkpoint under ``root``, or None when it holds none. ``step_N.tmp``
+    directories are interrupted saves and never count; a ``step_N`` with a missing, truncated or
+    corrupt file is skipped with a warning naming it, and the one before it is taken."""
     if not os.path.isdir(root):
         return None
-    steps = [int(m.group(1)) for d in os.listdir(root) if (m := _STEP_DIR.match(d))
-             and os.path.isfile(os.path.join(root, d, "meta.pt"))]
-    return os.path.join(root, f"step_{max(steps)}") if steps else None
+    steps = sorted((int(m.group(1)) for d in os.listdir(root) if (m := _STEP_DIR.match(d))), reverse=True)
+    skipped = []
+    for step in steps:
+        path = os.path.join(root, f"step_{step}")
+        if (problem := _problem(path)) is None:
+            if skipped:
+                warnings.warn(f"skipped unreadable checkpoint(s) {'; '.join(skipped)}; resuming from {path}",
+                              stacklevel=2)
+            return path
+        skipped.append(f"{path} ({problem})")
+    if skipped:
+        raise ValueError(f"no readable checkpoint in {root}: {'; '.join(skipped)}; delete them to start over")
+    return None
 
 
 def save(root: str, step: int, models: Stateful, meta: dict[str, Any], max_num: int = 0) -> str:
@@ -49,14 +64,15 @@ def save(root: str, step: int, models: Stateful, meta: dict[str, Any], max_num: 
         os.makedirs(tmp)
     _barrier()
     dcp.save(_sharded_state(models), checkpoint_id=tmp)
-    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    _save_synced(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))  # dcp fsyncs its own files
     if rank == 0:
-        torch.save({"step": step, "world_size": _world(), **meta}, os.path.join(tmp, "meta.pt"))
+        _save_synced({"step": step, "world_size": _world(), **meta}, os.path.join(tmp, "meta.pt"))
     _barrier()  # every rank's files are in tmp before it becomes visible
     if rank == 0:
+        fsync_dir(tmp)
         shutil.rmtree(final, ignore_errors=True)  # re-saving the same step after a resume
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         if max_num > 0:
             _prune(root, max_num)
     _barrier()
@@ -80,6 +96,33 @@ def load(path: str, models: Stateful) -> dict[str, Any]:
                            optim_state_dict=state[name]["optim"])
     _set_rng_state(torch.load(os.path.join(path, f"rng_rank{_rank()}.pt"), weights_only=False))
     return meta
+
+
+def _problem(path: str) -> str | None:
+    """Why the checkpoint at ``path`` cannot be loaded, or None: every file is read back except the
+    shards, whose sizes are checked against the offsets the shard index records."""
+    file = "meta.pt"
+    try:
+        meta = torch.load(os.path.join(path, file), weights_only=False)
+        for file in [f"rng_rank{r}.pt" for r in range(meta["world_size"])]:
+            torch.load(os.path.join(path, file), weights_only=False)
+        file = ".metadata"
+        storage = dcp.FileSystemReader(path).read_metadata().storage_data
+    except Exception as e:  # a damaged file surfaces as any of the unpickler's or the OS's errors
+        return f"{file}: {type(e).__name__}"
+    for info in storage.values():
+        shard = os.path.join(path, info.relative_path)
+        if not os.path.isfile(shard) or os.path.getsize(shard) < info.offset + info.length:
+            return f"{info.relative_path}: missing or truncated"
+    return None
+
+
+def _save_synced(obj: Any, path: str) -> None:
+    """torch.save, then fsync: the rename that publishes the checkpoint must not reach the disk first."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _sharded_state(models: Stateful) -> dict[str, Any]:
@@ -108,14 +151,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _rank() -> int:

@@ -34,13 +34,14 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def _wait_all(procs: list, timeout: float) -> None:
+def _wait_all(procs: list, timeout: float | None) -> None:
     """Return when every rank exited cleanly; raise as soon as one fails (the others would otherwise
-    wait in a collective until the process-group timeout) or the time is up."""
-    deadline = time.monotonic() + timeout
+    wait in a collective until the process-group timeout) or the time, if any, is up."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     running = dict(enumerate(procs))
     while running:
-        ready = wait([p.sentinel for p in running.values()], timeout=max(0.0, deadline - time.monotonic()))
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = wait([p.sentinel for p in running.values()], timeout=left)
         if not ready:
             raise TimeoutError(f"trainer ranks {sorted(running)} did not finish within {timeout:.0f} s")
         for r, p in list(running.items()):
@@ -52,9 +53,11 @@ def _wait_all(procs: list, timeout: float) -> None:
                                        "its traceback is on stderr above")
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = None) -> list[Any]:
     """Start ``world_size`` spawned processes running ``fn`` (a module-level function), wait for all,
-    and return their results in rank order. A failing or hanging rank raises, naming its rank."""
+    and return their results in rank order. A rank that dies raises at once, naming its rank and exit
+    code, and the others are killed. No time limit unless ``timeout`` (seconds) is given: an SFT
+    run takes as long as it takes; tests pass one to fail rather than hang."""
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
