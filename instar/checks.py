@@ -44,8 +44,8 @@ def check(cfg: RLConfig) -> None:
 def _check_batches(cfg: RLConfig) -> None:
     """Rollout batch, in-flight groups, mini-batches, trainer layout."""
     r, t, fsdp = cfg.rollout, cfg.train, cfg.fsdp
-    if r.vllm_generate_batch_size is not None and r.vllm_generate_batch_size < r.batch_size:
-        raise ConfigError(f"--rollout.vllm_generate_batch_size ({r.vllm_generate_batch_size}) must be >= "
+    if r.max_groups_in_flight is not None and r.max_groups_in_flight < r.batch_size:
+        raise ConfigError(f"--rollout.max_groups_in_flight ({r.max_groups_in_flight}) must be >= "
                           f"--rollout.batch_size ({r.batch_size}) or a step can never fill "
                           "(leave it unset to derive it)")
     total = r.batch_size * r.n_samples_per_prompt
@@ -72,8 +72,8 @@ def run_ahead_groups(cfg: RLConfig) -> int:
 
 
 def in_flight_groups(cfg: RLConfig) -> int:
-    """Prompt groups the streaming pool keeps in flight (--rollout.vllm_generate_batch_size, or derived)."""
-    size = cfg.rollout.vllm_generate_batch_size
+    """Prompt groups the streaming pool keeps in flight (--rollout.max_groups_in_flight, or derived)."""
+    size = cfg.rollout.max_groups_in_flight
     return run_ahead_groups(cfg) if size is None else size
 
 
@@ -84,13 +84,13 @@ def choose_engine(cfg: RLConfig, gpu: bool, vllm_installed: bool) -> str:
     if engine == "auto":
         engine = "vllm" if gpu and vllm_installed else "embedded"
     if engine == "embedded":
-        v, why = cfg.vllm, "" if cfg.rollout.engine == "embedded" else (
+        v, why = cfg.engine, "" if cfg.rollout.engine == "embedded" else (
             f" (--rollout.engine auto chose it: {'no GPU' if not gpu else 'vllm is not installed'})")
         if v.tensor_parallel_size != 1:
-            raise ConfigError(f"--vllm.tensor_parallel_size {v.tensor_parallel_size} needs the vLLM engine, but the "
-                              f"embedded engine runs{why}; set --vllm.tensor_parallel_size 1 or run vLLM on a GPU")
+            raise ConfigError(f"--engine.tensor_parallel_size {v.tensor_parallel_size} needs the vLLM engine, but the "
+                              f"embedded engine runs{why}; set --engine.tensor_parallel_size 1 or run vLLM on a GPU")
         if v.speculative_config is not None:
-            raise ConfigError(f"--vllm.speculative_config needs the vLLM engine, but the embedded engine runs{why}; "
+            raise ConfigError(f"--engine.speculative_config needs the vLLM engine, but the embedded engine runs{why}; "
                               "unset it or run vLLM on a GPU")
     return engine
 

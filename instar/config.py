@@ -144,7 +144,7 @@ class RolloutConfig:
     """Prompt groups per optimizer step."""
     n_samples_per_prompt: int = 8
     """Samples per prompt (the group size of group estimators)."""
-    vllm_generate_batch_size: int | None = None
+    max_groups_in_flight: int | None = None
     """Prompt groups kept in flight by the streaming pool; None: as many as the staleness bound allows
     (--rollout.batch_size x (--train.async_queue_size + 1), or --rollout.batch_size in sync mode)."""
     temperature: float = 1.0
@@ -159,7 +159,7 @@ class RolloutConfig:
 
 @dataclass
 class EngineConfig:
-    """Rollout engine settings (the flag prefix is `vllm` as in Molt; most apply to every backend)."""
+    """Rollout engine settings, for every backend unless marked vLLM (Molt's `--vllm.*` spellings work too)."""
 
     num_engines: int = 1
     """Number of rollout engines."""
@@ -312,7 +312,7 @@ class RLConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    vllm: EngineConfig = field(default_factory=EngineConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
@@ -351,6 +351,11 @@ class SFTConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     log: LogConfig = field(default_factory=LogConfig)
+
+
+ALIASES = {"vllm.": "engine.", "rollout.vllm_generate_batch_size": "rollout.max_groups_in_flight"}
+"""Molt's flag spellings (dotted prefixes or whole names) and the ones they mean here; accepted on the
+command line and as YAML recipe keys."""
 
 
 class ConfigError(ValueError):

@@ -97,7 +97,7 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
             rows = batching.to_rows(kept)
             # Trainer logprobs of the distribution the engine sampled from (temperature applied), unless
             # the engine reports raw ones: the IS ratio compares the two.
-            temp = r.temperature if cfg.vllm.logprobs_mode == "processed" else 1.0
+            temp = r.temperature if cfg.engine.logprobs_mode == "processed" else 1.0
             # A separate pre-update pass only when the advantages need it; otherwise the trainer takes
             # the "old" logprobs from its first update's own forward.
             old = await cluster.trainer.compute_logprobs(rows.samples, temp) if batching.needs_old(cfg) else None

@@ -94,6 +94,9 @@ class Recorded:
         self.params.append(sampling_params)
         return gen
 
+    def release(self, session_id):
+        self.engine.release(session_id)
+
 
 @contextlib.asynccontextmanager
 async def serving(scripted, max_len=1024, max_new_tokens=64):
@@ -281,7 +284,7 @@ async def test_untraced_judge_call_is_served_but_never_recorded(scripted):
     assert verdict.choices[0].message.content == "correct"
     [seg] = session.transcript.segments
     assert seg.token_ids == engine.calls[1][0] + engine.calls[1][1].token_ids
-    assert [sid for _, _, sid in engine.calls] == [f"{session.id}/untraced", session.id]
+    assert [sid for _, _, sid in engine.calls] == [session.untraced_id, session.id]
 
 
 @pytest.mark.asyncio
@@ -310,11 +313,13 @@ async def test_wrong_key_unknown_session_and_bad_bodies_get_each_protocols_error
             r = await http.post(f"/s/{session.id}/v1/messages", content=b"{not json")
             assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
             r = await http.post(f"/s/{session.id}/v1/messages", json={"model": "tiny", "messages": [USER]})
-            assert r.status_code == 422 and r.json() == {"type": "error", "error": {
+            assert r.status_code == 400 and r.json() == {"type": "error", "error": {
                 "type": "invalid_request_error", "message": "invalid request body: max_tokens: Field required"}}
             r = await http.post(f"/s/{session.id}/v1/chat/completions", json={"model": "tiny", "messages": [
                 {"role": "robot", "content": "hi"}]})
-            assert r.status_code == 400 and "unknown role 'robot'" in r.json()["error"]["message"]
+            assert r.status_code == 400 and r.json()["error"]["message"] == (
+                "invalid request body: messages.0.role: Input should be 'system', 'developer', 'user', 'assistant' "
+                "or 'tool'")
         for c in (bad, gone, bad_a, good):
             await c.close()
     assert session.transcript.segments == []

@@ -24,6 +24,9 @@ class Recorded:
         self.calls.append((list(prompt_token_ids), sampling_params, gen))
         return gen
 
+    def release(self, session_id):
+        self.engine.release(session_id)
+
 
 @pytest_asyncio.fixture
 async def engine(tiny_model_dir):

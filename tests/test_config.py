@@ -28,6 +28,17 @@ train:
 """
 
 
+def test_molt_spellings_are_aliases_in_flags_and_recipes(tmp_path):
+    (tmp_path / "molt.yaml").write_text("vllm:\n  num_engines: 3\n  speculative_config: {method: ngram}\n"
+                                        "rollout:\n  vllm_generate_batch_size: 24\n  batch_size: 4\n")
+    _, cfg = parse(["rl", "--config", str(tmp_path / "molt.yaml"), "--vllm.max-num-seqs", "16"])
+    e = cfg.engine
+    assert (e.num_engines, e.max_num_seqs, e.speculative_config) == (3, 16, {"method": "ngram"})
+    assert (cfg.rollout.max_groups_in_flight, cfg.rollout.batch_size) == (24, 4)
+    _, cfg = parse(["rl", "--rollout.vllm_generate_batch_size", "5", "--engine.num_engines", "2"])
+    assert (cfg.rollout.max_groups_in_flight, cfg.engine.num_engines) == (5, 2)
+
+
 def test_yaml_recipe_plus_cli_overrides(tmp_path):
     (tmp_path / "r.yaml").write_text(RECIPE)
     name, cfg = parse(["rl", "--config", str(tmp_path / "r.yaml"), "--rollout.batch_size", "2",
@@ -40,7 +51,7 @@ def test_yaml_recipe_plus_cli_overrides(tmp_path):
     assert cfg.algo.advantage.is_correction_threshold == (0.25, 4.0)
     assert cfg.rollout.batch_size == 2 and cfg.rollout.n_samples_per_prompt == 8
     assert cfg.train.force_sync_mode is True and cfg.train.max_steps == 30
-    assert cfg.vllm.num_engines == 2
+    assert cfg.engine.num_engines == 2
     assert cfg.algo.kl == RLConfig().algo.kl  # untouched sections keep their defaults
     check(cfg)
 
@@ -93,13 +104,13 @@ def test_help_lists_every_flag_with_its_doc():
     ({"algo.advantage.is_correction_level": "off"}, "set --algo.advantage.is_correction_level token"),
     ({"train.force_sync_mode": True, "train.partial_rollout_enable": True}, "drop one of them"),
     ({"algo.advantage.is_correction_threshold": (1.5, 2.0)}, "0 <= low < 1 < high"),
-    ({"rollout.vllm_generate_batch_size": 2}, "a step can never fill"),
+    ({"rollout.max_groups_in_flight": 2}, "a step can never fill"),
     ({"actor.dual_clip": 0.5}, "--actor.dual_clip must be > 1"),
     ({"train.batch_size": 24}, "must divide the rollout batch of 64 samples"),  # 8 prompts x 8 samples
     ({"train.batch_size": 1, "fsdp.num_ranks": 2}, r"use one of [2, 4, 8, 16, 32, 64]"),
     ({"train.max_epochs": 0}, "--train.max_epochs must be >= 1"),
     ({"fsdp.tp_size": 2}, "Set --fsdp.tp_size 1"),
-    ({"rollout.engine": "embedded", "vllm.tensor_parallel_size": 2}, "set --vllm.tensor_parallel_size 1"),
+    ({"rollout.engine": "embedded", "engine.tensor_parallel_size": 2}, "set --engine.tensor_parallel_size 1"),
 ])
 def test_incompatible_combinations_name_the_fix(changes, fragment):
     cfg = RLConfig()
@@ -118,10 +129,10 @@ def test_engine_choice_and_what_it_cannot_honour():
     assert choose_engine(cfg, gpu=True, vllm_installed=True) == "vllm"
     assert choose_engine(cfg, gpu=True, vllm_installed=False) == "embedded"
     assert choose_engine(cfg, gpu=False, vllm_installed=True) == "embedded"
-    cfg.vllm.tensor_parallel_size = 2
+    cfg.engine.tensor_parallel_size = 2
     assert choose_engine(cfg, gpu=True, vllm_installed=True) == "vllm"
     with pytest.raises(ConfigError, match=re.escape("(--rollout.engine auto chose it: no GPU); set "
-                                                    "--vllm.tensor_parallel_size 1")):
+                                                    "--engine.tensor_parallel_size 1")):
         choose_engine(cfg, gpu=False, vllm_installed=True)
     cfg.rollout.engine = "vllm"
     assert choose_engine(cfg, gpu=False, vllm_installed=False) == "vllm"  # named: vLLM says what it lacks
@@ -134,7 +145,7 @@ def test_in_flight_groups_follow_the_staleness_bound():
     assert in_flight_groups(cfg) == 32
     cfg.train.force_sync_mode = True
     assert in_flight_groups(cfg) == 8
-    cfg.rollout.vllm_generate_batch_size = 12
+    cfg.rollout.max_groups_in_flight = 12
     assert in_flight_groups(cfg) == 12
 
 

@@ -40,7 +40,7 @@ def make_cfg(tmp_path, model, prompts, **changes) -> RLConfig:
     cfg.train.max_steps = 3
     cfg.rollout.batch_size = 2
     cfg.rollout.n_samples_per_prompt = 4
-    cfg.rollout.vllm_generate_batch_size = 4
+    cfg.rollout.max_groups_in_flight = 4
     cfg.ckpt.output_dir = str(tmp_path / "run")
     for path, value in changes.items():
         section, leaf = path.split(".")

@@ -17,7 +17,7 @@ from instar.agents.api import ChatAgentRunner, StepEnvRunner, Task
 from instar.agents.server import ChatServer
 from instar.contract import ContractError, Trajectory
 from instar.data.chat import prompt_messages
-from instar.engines.protocol import Engine
+from instar.engines.protocol import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class AgentHost:
     ``engine`` is anything with the engine protocol's ``generate`` (an engine or the router);
     ``max_len`` / ``max_new_tokens`` are --data.max_len / --data.max_new_tokens."""
 
-    def __init__(self, runner: StepEnvRunner | ChatAgentRunner, engine: Engine, tokenizer: Any, *, max_len: int,
+    def __init__(self, runner: StepEnvRunner | ChatAgentRunner, engine: Sampler, tokenizer: Any, *, max_len: int,
                  max_new_tokens: int, agent_timeout: float, system_prompt: str | None = None,
                  model_name: str = "policy") -> None:
         self.runner, self.agent_timeout, self.system_prompt = runner, agent_timeout, system_prompt
@@ -58,10 +58,8 @@ class AgentHost:
             return self._drop(f"error_{type(e).__name__}", task, str(e))
         finally:
             self.server.close(session)
-            release = getattr(self.server.engine, "release", None)  # a Router forgets the session's placement
-            if release is not None:
-                release(session.id)
-                release(f"{session.id}/untraced")
+            self.server.engine.release(session.id)  # a Router forgets the session's placement
+            self.server.engine.release(session.untraced_id)
         transcript = session.transcript
         if not transcript.segments and transcript.truncated:
             return self._drop("prompt_too_long", task, f"the prompt does not fit in --data.max_len={self.max_len}")

@@ -4,6 +4,9 @@ One uvicorn server runs as an asyncio task in the agent-runner process, bound to
 port. Every rollout is a session with a random secret (the agent's ``api_key``). Traced routes
 ``/s/{session}/v1/...`` record into the session's transcript; untraced routes ``/u/{session}/v1/...``
 use the same engine for judge and helper calls and record nothing.
+
+A turn is all or nothing: an engine error, a bad conversation or a client that hangs up (its engine
+request is cancelled) leaves the transcript as it was, so an SDK's automatic retry is exact.
 """
 
 from __future__ import annotations
@@ -14,20 +17,26 @@ import json
 import secrets
 import socket
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 import instar.agents.wire as wire
 from instar.agents.transcript import Transcript, Turn
 from instar.contract import SamplingParams
 from instar.data.chat import token_pieces
-from instar.engines.protocol import Engine
+from instar.engines.protocol import Sampler
+
+MAX_SESSIONS = 4096  # open at once per agent runner: each holds a transcript until its rollout ends
+MAX_BODY_BYTES = 8 * 2**20  # a long agent context is ~1 MB of JSON; the body is parsed on the event loop
+_TRAINED = ("temperature", "top_p", "top_k")  # what the trainer's logprob recomputation assumes
 
 
 @dataclass
@@ -53,6 +62,11 @@ class Session:
         return f"{self.root}/s/{self.id}"
 
     @property
+    def untraced_id(self) -> str:
+        """The engine session id of this session's untraced calls (router placement, prefix cache)."""
+        return f"{self.id}/untraced"
+
+    @property
     def untraced_base_url(self) -> str:
         return f"{self.root}/u/{self.id}/v1"
 
@@ -70,9 +84,11 @@ class _Server(uvicorn.Server):
 class ChatServer:
     """Serves every session of one agent-runner process. Use ``async with ChatServer(...)``."""
 
-    def __init__(self, engine: Engine, tokenizer: Any, *, model_name: str, max_len: int, max_new_tokens: int) -> None:
+    def __init__(self, engine: Sampler, tokenizer: Any, *, model_name: str, max_len: int, max_new_tokens: int,
+                 max_sessions: int = MAX_SESSIONS, max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.max_len, self.max_new_tokens = max_len, max_new_tokens
+        self.max_sessions, self.max_body_bytes = max_sessions, max_body_bytes
         self.sessions: dict[str, Session] = {}
         self.root = ""
         self.app = build_app(self)
@@ -107,6 +123,10 @@ class ChatServer:
 
     def open(self, sampling: SamplingParams | None = None) -> Session:
         """A new session with a fresh transcript and secret; ``close`` it when the rollout ends."""
+        if len(self.sessions) >= self.max_sessions:
+            raise RuntimeError(f"{len(self.sessions)} chat sessions are open on this agent runner, the cap: close each "
+                               "session when its rollout ends (ChatServer.close), run fewer rollouts per runner at "
+                               "once, or raise ChatServer(max_sessions=...)")
         sid = uuid.uuid4().hex
         session = Session(sid, secrets.token_urlsafe(24), self.transcript(sid), sampling or SamplingParams(), self.root,
                           self.model_name)
@@ -129,35 +149,69 @@ def _authorize(server: ChatServer, request: Request, session_id: str) -> Session
     return session
 
 
-async def _body(request: Request, model: type[BaseModel]) -> Any:
-    """Parse after authorizing, so a caller with a wrong key learns nothing about the body rules."""
+async def _body(server: ChatServer, request: Request, model: type[BaseModel]) -> Any:
+    """Parse after authorizing, so a caller with a wrong key learns nothing about the body rules.
+    pydantic's JSON parser refuses lone surrogates and deep nesting, which the tokenizer and the
+    template would otherwise fail on."""
+    raw = bytearray()
+    async for chunk in request.stream():  # counted as it arrives: a chunked body has no Content-Length
+        raw += chunk
+        if len(raw) > server.max_body_bytes:
+            raise wire.WireError(413, f"the request body is over {server.max_body_bytes} bytes, the limit of this "
+                                      "chat server")
     try:
-        data = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise wire.WireError(400, f"request body is not valid JSON: {e}") from None
-    try:
-        return model.model_validate(data)
+        return model.model_validate_json(raw)
     except ValidationError as e:
-        detail = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
-        raise wire.WireError(422, f"invalid request body: {detail}") from None
+        detail = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" if err["loc"] else err["msg"]
+                           for err in e.errors()[:4])
+        raise wire.WireError(400, f"invalid request body: {detail}") from None
 
 
-def _sampling(session: Session, temperature: float | None, top_p: float | None, max_tokens: int | None,
-              top_k: int | None = None, seed: int | None = None) -> SamplingParams:
-    """The session's sampling, overridden by what the request sets explicitly."""
-    asked = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, top_k=top_k, seed=seed)
-    return session.sampling.replace(**{k: v for k, v in asked.items() if v is not None})
+def _sampling(session: Session, traced: bool, **asked: Any) -> SamplingParams:
+    """The session's sampling, overridden by what the request sets explicitly. A traced turn must
+    keep the session's distribution: the trainer's importance ratios assume it."""
+    asked = {k: v for k, v in asked.items() if v is not None}
+    changed = [f"{k}={asked[k]} differs from this session's {getattr(session.sampling, k)}" for k in _TRAINED
+               if k in asked and asked[k] != getattr(session.sampling, k)]
+    if traced and changed:
+        raise wire.WireError(400, "; ".join(changed) + ": a traced turn is trained on, and the trainer recomputes its "
+                             "logprobs with the session's sampling (--rollout.temperature and friends): leave these "
+                             "unset or equal to the session's, or send this request to the untraced URL "
+                             "(ctx.untraced_base_url / ctx.untraced_session_url)")
+    return session.sampling.replace(**asked)
 
 
 async def _turn(server: ChatServer, session: Session, traced: bool, messages: list, tools: list | None,
-                sampling: SamplingParams) -> Turn:
+                sampling: SamplingParams, request: Request) -> Turn:
     if messages[-1]["role"] == "assistant":
         raise wire.WireError(400, "the last message is from the assistant; end with a user or tool message "
                                   "(continuing a partial assistant turn is not supported)")
-    if not traced:  # a throwaway transcript: same engine and template, nothing recorded
-        return await server.transcript(f"{session.id}/untraced").sample(messages, tools, sampling)
-    async with session.lock:
-        return await session.transcript.sample(messages, tools, sampling)
+    if traced:
+        async with session.lock:
+            return await _unless_disconnected(request, session.transcript.sample(messages, tools, sampling))
+    # a throwaway transcript: same engine and template, nothing recorded
+    return await _unless_disconnected(request, server.transcript(session.untraced_id).sample(messages, tools, sampling))
+
+
+async def _unless_disconnected(request: Request, sample: Coroutine[Any, Any, Turn]) -> Turn:
+    """Run a turn, cancelling it (and so its engine request) when the client hangs up first."""
+    async def hang_up() -> None:  # the body is read: the next ASGI message is the disconnect
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    turn, gone = asyncio.ensure_future(sample), asyncio.ensure_future(hang_up())
+    try:
+        await asyncio.wait([turn, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        turn.cancel()  # a no-op once it finished; else the client hung up first (or the server stops)
+        await asyncio.wait([turn])  # the session lock is released only after the turn has unwound
+    if turn.cancelled():
+        raise wire.WireError(499, "the client closed the connection before the turn was sampled")
+    try:
+        return turn.result()
+    except TemplateError as e:
+        raise wire.WireError(400, f"the chat template rejected these messages: {e}") from None
 
 
 def _sse(events: Iterator[tuple[str | None, Any]]) -> StreamingResponse:
@@ -166,21 +220,25 @@ def _sse(events: Iterator[tuple[str | None, Any]]) -> StreamingResponse:
     return StreamingResponse(iter([lines]), media_type="text/event-stream")
 
 
-def _error_response(path: str, status: int, message: str) -> JSONResponse:
-    if path.endswith("/messages"):
-        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                422: "invalid_request_error"}.get(status, "api_error")
+def _error_response(request: Request, e: Exception) -> JSONResponse:
+    """Every error in the calling protocol's JSON shape; an unexpected one is a 500 (and uvicorn logs it)."""
+    status, message = ((e.status, e.message) if isinstance(e, wire.WireError) else
+                       (e.status_code, str(e.detail)) if isinstance(e, HTTPException) else
+                       (500, f"internal error: {type(e).__name__}: {e}"))
+    if request.url.path.endswith("/messages"):
+        kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large"}.get(
+            status, "api_error" if status >= 500 else "invalid_request_error")
         return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status)
-    kind = {401: "authentication_error", 404: "not_found_error"}.get(status, "invalid_request_error")
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(
+        status, "server_error" if status >= 500 else "invalid_request_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status)
 
 
 def build_app(server: ChatServer) -> FastAPI:
     app = FastAPI(title="instar loopback chat server", openapi_url=None, docs_url=None, redoc_url=None)
 
-    @app.exception_handler(wire.WireError)
-    async def on_wire_error(request: Request, e: wire.WireError) -> JSONResponse:
-        return _error_response(request.url.path, e.status, e.message)
+    for error in (wire.WireError, HTTPException, Exception):
+        app.add_exception_handler(error, _error_response)
 
     def models() -> dict:
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
@@ -193,36 +251,37 @@ def build_app(server: ChatServer) -> FastAPI:
     def chat_completions(traced: bool) -> Callable:
         async def handler(session_id: str, request: Request) -> Any:
             session = _authorize(server, request, session_id)
-            body = await _body(request, wire.OpenAIRequest)
+            body = await _body(server, request, wire.OpenAIRequest)
             if body.stop:
                 raise wire.WireError(400, "stop strings are not supported: a turn ends at the template's "
                                           "end-of-turn token")
             messages, tools = wire.openai_messages(body.messages), wire.openai_tools(body.tools)
-            sampling = _sampling(session, body.temperature, body.top_p, body.max_completion_tokens or body.max_tokens,
-                                 seed=body.seed)
-            turn = await _turn(server, session, traced, messages, tools, sampling)
+            sampling = _sampling(session, traced, temperature=body.temperature, top_p=body.top_p,
+                                 max_tokens=body.max_completion_tokens or body.max_tokens, seed=body.seed)
+            turn = await _turn(server, session, traced, messages, tools, sampling, request)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             if not body.stream:
                 return wire.openai_response(turn, body.model, rid)
-            chunks = wire.openai_chunks(turn, body.model, rid, _pieces(server, turn))
+            chunks = wire.openai_chunks(turn, body.model, rid, await _pieces(server, turn))
             return _sse(iter([*((None, c) for c in chunks), (None, "[DONE]")]))
         return handler
 
     def messages(traced: bool) -> Callable:
         async def handler(session_id: str, request: Request) -> Any:
             session = _authorize(server, request, session_id)
-            body = await _body(request, wire.AnthropicRequest)
+            body = await _body(server, request, wire.AnthropicRequest)
             if body.stop_sequences:
                 raise wire.WireError(400, "stop_sequences are not supported: a turn ends at the template's "
                                           "end-of-turn token")
             msgs = wire.anthropic_messages(body.system, body.messages)
             tools = wire.anthropic_tools(body.tools)
-            sampling = _sampling(session, body.temperature, body.top_p, body.max_tokens, top_k=body.top_k)
-            turn = await _turn(server, session, traced, msgs, tools, sampling)
+            sampling = _sampling(session, traced, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                 max_tokens=body.max_tokens)
+            turn = await _turn(server, session, traced, msgs, tools, sampling, request)
             rid = f"msg_{uuid.uuid4().hex}"
             if not body.stream:
                 return wire.anthropic_response(turn, body.model, rid)
-            return _sse(wire.anthropic_events(turn, body.model, rid, _pieces(server, turn)))
+            return _sse(wire.anthropic_events(turn, body.model, rid, await _pieces(server, turn)))
         return handler
 
     for prefix, traced in (("/s", True), ("/u", False)):
@@ -231,6 +290,7 @@ def build_app(server: ChatServer) -> FastAPI:
     return app
 
 
-def _pieces(server: ChatServer, turn: Turn) -> list[str]:
+async def _pieces(server: ChatServer, turn: Turn) -> list[str]:
+    """Stream pieces, off the event loop: decoding every prefix of a long turn takes a while."""
     ended = turn.finish_reason == "stop" and turn.token_ids
-    return token_pieces(server.tokenizer, turn.token_ids[:-1] if ended else turn.token_ids)
+    return await asyncio.to_thread(token_pieces, server.tokenizer, turn.token_ids[:-1] if ended else turn.token_ids)

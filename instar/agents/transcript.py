@@ -4,10 +4,14 @@ Given the next full list of chat messages it renders only the template delta, ap
 the exact ids sampled so far, asks the engine for the next turn and records the sampled ids with
 action_mask 1, their logprobs and policy versions. Messages that do not extend the previous ones
 (compaction, a template that drops earlier reasoning) seal the segment and open a new one.
+
+A turn changes the record only once the engine has answered: an engine error or a cancelled request
+leaves it as it was, so a retry samples on exactly the same context.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -16,7 +20,7 @@ import torch
 
 from instar.contract import NO_VERSION, Generation, Sample, SamplingParams
 from instar.data.chat import Message, continuation_text, encode, parse_tool_calls, prompt_ids
-from instar.engines.protocol import Engine
+from instar.engines.protocol import Sampler
 
 
 @dataclass
@@ -68,7 +72,7 @@ class Transcript:
     ``truncated``. An identical retry of the last request is answered from cache, not sampled again.
     """
 
-    def __init__(self, engine: Engine, tokenizer: Any, *, session_id: str, max_len: int, max_new_tokens: int,
+    def __init__(self, engine: Sampler, tokenizer: Any, *, session_id: str, max_len: int, max_new_tokens: int,
                  stop_token_ids: list[int] | None = None) -> None:
         self.engine, self.tokenizer, self.session_id = engine, tokenizer, session_id
         self.max_len, self.max_new_tokens = max_len, max_new_tokens
@@ -101,25 +105,27 @@ class Transcript:
         key = json.dumps([messages, tools, asdict(sampling)], sort_keys=True, default=str)
         if self._cache is not None and self._cache[0] == key:
             return self._cache[1]
-        new_ids = self._delta_ids(messages, tools)
-        context = len(self._open.token_ids) if new_ids is not None else 0
+        # Rendering and tokenizing a long conversation takes seconds: off the event loop, so the chat
+        # server keeps serving other sessions meanwhile.
+        new_ids = await asyncio.to_thread(self._delta_ids, messages, tools)
+        extends = new_ids is not None
+        context = list(self._open.token_ids) if extends else []
         if new_ids is None:
-            new_ids = prompt_ids(self.tokenizer, messages, tools)
-        room = self.max_len - context - len(new_ids)
+            new_ids = await asyncio.to_thread(prompt_ids, self.tokenizer, messages, tools)
+        room = self.max_len - len(context) - len(new_ids)
         if room <= 0:  # not even the observation fits: the rollout ends here
             self.truncated, self.last_finish_reason = True, "length"
-            turn = Turn({"role": "assistant", "content": ""}, "", [], "length", context + len(new_ids))
+            turn = Turn({"role": "assistant", "content": ""}, "", [], "length", len(context) + len(new_ids))
             self._cache = (key, turn)
             return turn
-        if not context:
-            self.seal()
-            self._open = _Segment()
-        seg = self._open
-        seg.append(new_ids)
         params = sampling.replace(max_tokens=min(sampling.max_tokens, self.max_new_tokens, room),
                                   stop_token_ids=sorted({*sampling.stop_token_ids, *self.stop_token_ids}))
-        gen = await self.engine.generate(list(seg.token_ids), params, self.session_id)
-        turn = self._record(seg, gen, messages, tools)
+        gen = await self.engine.generate(context + new_ids, params, self.session_id)
+        if not extends:
+            self.seal()
+            self._open = _Segment()
+        self._open.append(new_ids)
+        turn = self._record(self._open, gen, messages, tools)
         self._cache = (key, turn)
         return turn
 

@@ -1,6 +1,9 @@
 """The OpenAI and Anthropic wire formats, converted to and from one canonical chat form: the HF
 chat-template messages (``role``, ``content`` text, ``tool_calls`` with dict ``arguments``,
 ``tool_call_id`` on tool results) and HF tool schemas. Both protocols share the transcript through it.
+
+The request models are the one place a body is checked: a body that parses into them converts
+without further type errors. Numbers are bounded so nothing out of range reaches an engine.
 """
 
 from __future__ import annotations
@@ -8,12 +11,15 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field
 
 from instar.agents.transcript import Turn
 from instar.data.chat import Message
+
+INT32 = 2**31 - 1
 
 
 class WireError(Exception):
@@ -24,59 +30,108 @@ class WireError(Exception):
         self.status, self.message = status, message
 
 
-class OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # fields instar does not use (metadata, cache_control...)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+Content = str | list[TextPart] | None
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Body):
+    id: str = ""
+    function: FunctionCall
+
+
+class OpenAIMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Content = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str = ""
+
+
+class FunctionSchema(BaseModel):
+    model_config = ConfigDict(extra="allow")  # the template renders the schema as sent
+    name: str
+
+
+class OpenAITool(_Body):
+    type: Literal["function"]
+    function: FunctionSchema
+
+
+class OpenAIRequest(_Body):
     model: str
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    messages: list[OpenAIMessage] = Field(min_length=1)
+    tools: list[OpenAITool] | None = None
     stream: bool = False
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT32)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32)
+    seed: int | None = Field(None, ge=-2**63, lt=2**63)  # what torch and vLLM generators take
     n: int = Field(1, ge=1, le=1)
     stop: str | list[str] | None = None
 
 
-class AnthropicRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ToolUse(_Body):
+    type: Literal["tool_use"]
+    id: str = ""
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResult(_Body):
+    type: Literal["tool_result"]
+    tool_use_id: str = ""
+    content: Content = None
+
+
+class AnthropicMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[Annotated[TextPart | ToolUse | ToolResult, Field(discriminator="type")]]
+
+
+class AnthropicTool(_Body):
+    name: str
+    description: str = ""
+    input_schema: dict[str, Any] = {"type": "object"}
+
+
+class AnthropicRequest(_Body):
     model: str
-    max_tokens: int = Field(ge=1)
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
+    max_tokens: int = Field(ge=1, le=INT32)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: Content = None
+    tools: list[AnthropicTool] | None = None
     stream: bool = False
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=0, le=INT32)
     stop_sequences: list[str] | None = None
 
 
-def _text(content: Any, where: str) -> str:
-    """Text of a content field: a string, None, or a list of text parts/blocks."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise WireError(400, f"{where}: content part of type {kind!r} is not supported (text only)")
-            parts.append(part.get("text", ""))
-        return "".join(parts)
-    raise WireError(400, f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
+def _text(content: Content) -> str:
+    return content if isinstance(content, str) else "".join(part.text for part in content or [])
 
 
-def _call(call_id: str, name: Any, arguments: Any, where: str) -> dict:
+def _call(call_id: str, name: str, arguments: str | dict, where: str) -> dict:
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments or "{}")
-        except json.JSONDecodeError as e:
-            raise WireError(400, f"{where}: tool call arguments are not valid JSON ({e}): {arguments!r}") from None
-    if not isinstance(name, str) or not isinstance(arguments, dict):
-        raise WireError(400, f"{where}: a tool call needs a string name and object arguments, got {name!r}, "
-                             f"{arguments!r}")
+        try:  # pydantic's parser: nesting and lone surrogates are refused as in the body itself
+            arguments = pydantic_core.from_json(arguments or "{}")
+        except ValueError as e:
+            raise WireError(400, f"{where}: tool call arguments are not valid JSON ({e}): {arguments!r:.200}") from None
+    if not isinstance(arguments, dict):
+        raise WireError(400, f"{where}: tool call arguments must be a JSON object, got {arguments!r:.200}")
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
@@ -84,67 +139,48 @@ def _assistant(content: str, calls: list[dict]) -> Message:
     return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
 
 
-def openai_messages(messages: list[dict]) -> list[Message]:
+def openai_messages(messages: list[OpenAIMessage]) -> list[Message]:
     out = []
     for i, m in enumerate(messages):
-        where, role = f"messages[{i}]", m.get("role")
-        if role in ("system", "developer", "user"):
-            out.append({"role": "system" if role == "developer" else role, "content": _text(m.get("content"), where)})
-        elif role == "assistant":
-            calls = [_call(c.get("id", ""), (c.get("function") or {}).get("name"),
-                           (c.get("function") or {}).get("arguments"), where) for c in m.get("tool_calls") or []]
-            out.append(_assistant(_text(m.get("content"), where), calls))
-        elif role == "tool":
-            out.append({"role": "tool", "tool_call_id": m.get("tool_call_id", ""),
-                        "content": _text(m.get("content"), where)})
+        if m.role in ("system", "developer", "user"):
+            out.append({"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)})
+        elif m.role == "assistant":
+            calls = [_call(c.id, c.function.name, c.function.arguments, f"messages[{i}]") for c in m.tool_calls or []]
+            out.append(_assistant(_text(m.content), calls))
         else:
-            raise WireError(400, f"{where}: unknown role {role!r}; use system, developer, user, assistant or tool")
+            out.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": _text(m.content)})
     return out
 
 
-def anthropic_messages(system: str | list[dict] | None, messages: list[dict]) -> list[Message]:
-    out = [{"role": "system", "content": _text(system, "system")}] if system else []
+def anthropic_messages(system: Content, messages: list[AnthropicMessage]) -> list[Message]:
+    out = [{"role": "system", "content": _text(system)}] if system else []
     for i, m in enumerate(messages):
-        where, role, content = f"messages[{i}]", m.get("role"), m.get("content")
-        if role not in ("user", "assistant"):
-            raise WireError(400, f"{where}: role must be user or assistant, got {role!r}")
-        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        if not isinstance(blocks, list):
-            raise WireError(400, f"{where}: content must be a string or a list of blocks")
-        texts = [b for b in blocks if isinstance(b, dict) and b.get("type") == "text"]
-        if role == "assistant":
-            calls = [_call(b.get("id", ""), b.get("name"), b.get("input"), where)
-                     for b in blocks if isinstance(b, dict) and b.get("type") == "tool_use"]
-            if len(texts) + len(calls) != len(blocks):
-                raise WireError(400, f"{where}: assistant blocks must be text or tool_use")
-            out.append(_assistant(_text(texts, where), calls))
+        blocks = [TextPart(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        texts = [b for b in blocks if isinstance(b, TextPart)]
+        if m.role == "assistant":
+            if any(isinstance(b, ToolResult) for b in blocks):
+                raise WireError(400, f"messages[{i}]: assistant blocks must be text or tool_use")
+            calls = [_call(b.id, b.name, b.input, f"messages[{i}]") for b in blocks if isinstance(b, ToolUse)]
+            out.append(_assistant(_text(texts), calls))
             continue
-        results = [b for b in blocks if isinstance(b, dict) and b.get("type") == "tool_result"]
-        if len(texts) + len(results) != len(blocks):
-            raise WireError(400, f"{where}: user blocks must be text or tool_result")
-        out += [{"role": "tool", "tool_call_id": b.get("tool_use_id", ""), "content": _text(b.get("content"), where)}
-                for b in results]
+        if any(isinstance(b, ToolUse) for b in blocks):
+            raise WireError(400, f"messages[{i}]: user blocks must be text or tool_result")
+        results = [b for b in blocks if isinstance(b, ToolResult)]
+        out += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)} for b in results]
         if texts or not results:
-            out.append({"role": "user", "content": _text(texts, where)})
+            out.append({"role": "user", "content": _text(texts)})
     return out
 
 
-def openai_tools(tools: list[dict] | None) -> list[dict] | None:
-    if not tools:
-        return None
-    if any(t.get("type") != "function" or "function" not in t for t in tools):
-        raise WireError(400, "tools: every tool must be {'type': 'function', 'function': {...}}")
-    return [{"type": "function", "function": t["function"]} for t in tools]
+def openai_tools(tools: list[OpenAITool] | None) -> list[dict] | None:
+    return [{"type": "function", "function": t.function.model_dump()} for t in tools] if tools else None
 
 
-def anthropic_tools(tools: list[dict] | None) -> list[dict] | None:
+def anthropic_tools(tools: list[AnthropicTool] | None) -> list[dict] | None:
     if not tools:
         return None
-    if any("name" not in t for t in tools):
-        raise WireError(400, "tools: every tool needs a name (and an input_schema)")
-    return [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                              "parameters": t.get("input_schema", {"type": "object"})}}
-            for t in tools]
+    return [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                              "parameters": t.input_schema}} for t in tools]
 
 
 def _finish(turn: Turn, calls: str, length: str, stop: str) -> str:

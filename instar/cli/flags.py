@@ -10,6 +10,7 @@ import textwrap
 import typing
 
 from instar.cli.main import COMMANDS
+from instar.config import ALIASES
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -38,7 +39,9 @@ def rows(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
 
 def reference() -> str:
     lines = ["# instar flags", "", "Generated from `instar/config.py` by `python -m instar.cli.flags`; every flag is",
-             "also a key of a YAML recipe (`--config recipe.yaml`).", ""]
+             "also a key of a YAML recipe (`--config recipe.yaml`). Molt's spellings are accepted as aliases, in",
+             "flags and recipe keys: " + ", ".join(f"`--{old}*` = `--{new}*`" if old.endswith(".") else
+                                                  f"`--{old}` = `--{new}`" for old, new in ALIASES.items()) + ".", ""]
     listed: dict[type, str] = {}
     for name, (cls, _) in COMMANDS.items():
         if cls in listed:  # e.g. `instar eval` reads an RL recipe

@@ -12,11 +12,13 @@ import re
 import sys
 import typing
 from collections.abc import Callable
+from pathlib import Path
 
+import yaml
 from jsonargparse import ArgumentParser, Namespace, set_parsing_settings
 
 from instar.checks import check
-from instar.config import ConfigError, RLConfig, SFTConfig
+from instar.config import ALIASES, ConfigError, RLConfig, SFTConfig
 from instar.data.tiny_model import TinySpec, build_tiny_model
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -195,19 +197,46 @@ def _to_dataclass(cls: type, ns: Namespace | object) -> object:
 
 
 def _normalise(argv: list[str]) -> list[str]:
-    """Accept `--kv-heads` for `--kv_heads`, and a bare boolean flag (`--moe`) for `--moe true`."""
+    """Accept `--kv-heads` for `--kv_heads`, a bare boolean flag (`--moe`) for `--moe true`, and Molt's
+    spellings (`config.ALIASES`) in flags and in the keys of a `--config` recipe."""
     flags = _bool_flags()
     out = []
     for i, arg in enumerate(argv):
+        if i and argv[i - 1] == "--config" and os.path.isfile(arg):
+            out.append(_recipe(arg))
+            continue
         if arg.startswith("--"):
             name, eq, value = arg[2:].partition("=")
-            arg = "--" + name.replace("-", "_") + eq + value
+            arg = "--" + _alias(name.replace("-", "_")) + eq + value
             bare = not eq and (i + 1 == len(argv) or argv[i + 1].startswith("--"))
             if bare and name.replace("-", "_").split(".")[-1] in flags:
                 out += [arg, "true"]
                 continue
         out.append(arg)
     return out
+
+
+def _alias(name: str) -> str:
+    for old, new in ALIASES.items():
+        if name == old or (old.endswith(".") and name.startswith(old)):
+            return new + name[len(old):]
+    return name
+
+
+def _recipe(path: str) -> str:
+    """A YAML recipe's text with aliased keys renamed (jsonargparse reads YAML text as well as a path).
+    An alias keeps its parent section, so each key is renamed in place."""
+    def rename(tree: dict, prefix: str) -> dict:
+        out = {}
+        for key, value in tree.items():
+            path = f"{prefix}{key}"
+            if isinstance(value, dict) and _alias(path + ".") != path + ".":  # a renamed section
+                new = _alias(path + ".")
+                out[new[len(prefix):-1]] = rename(value, new)
+            else:
+                out[_alias(path)[len(prefix):]] = rename(value, path + ".") if isinstance(value, dict) else value
+        return out
+    return yaml.safe_dump(rename(yaml.safe_load(Path(path).read_text()) or {}, ""), sort_keys=False)
 
 
 def _bool_flags() -> set[str]:

@@ -9,7 +9,7 @@ The distribution actually sampled from is built in this order, vLLM's, so that b
 4. top-p: keep the smallest set of highest-ranked tokens whose probability, renormalised over the
    tokens 2-3 kept, reaches ``p`` (``p == 1``: all).
 
-Which logprob comes back is the ``logprobs_mode`` setting (``--vllm.logprobs_mode``), because
+Which logprob comes back is the ``logprobs_mode`` setting (``--engine.logprobs_mode``), because
 importance-sampling correction divides by it:
 
 * ``processed``: log-probability of the sampled token under the distribution of 1-4, i.e. the

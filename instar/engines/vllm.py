@@ -44,24 +44,24 @@ def check_engine_config(cfg: EngineConfig, device: str, routing_replay: bool = F
     """Reject settings vLLM would refuse (or silently mis-handle) before anything starts; ``device``
     is "cuda" or "cpu" (vLLM's CPU build)."""
     if cfg.num_engines < 1 or cfg.tensor_parallel_size < 1:
-        raise ConfigError(f"--vllm.num_engines and --vllm.tensor_parallel_size must be >= 1, got "
+        raise ConfigError(f"--engine.num_engines and --engine.tensor_parallel_size must be >= 1, got "
                           f"{cfg.num_engines} and {cfg.tensor_parallel_size}")
     if not 0 < cfg.gpu_memory_utilization <= 1:
-        raise ConfigError(f"--vllm.gpu_memory_utilization is a fraction in (0, 1], got {cfg.gpu_memory_utilization}")
+        raise ConfigError(f"--engine.gpu_memory_utilization is a fraction in (0, 1], got {cfg.gpu_memory_utilization}")
     if cfg.max_num_batched_tokens < cfg.max_num_seqs:
-        raise ConfigError(f"--vllm.max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= "
-                          f"--vllm.max_num_seqs ({cfg.max_num_seqs}): every running request needs a token per step")
+        raise ConfigError(f"--engine.max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= "
+                          f"--engine.max_num_seqs ({cfg.max_num_seqs}): every running request needs a token per step")
     if cfg.speculative_config is not None and not ({"method", "model"} & set(cfg.speculative_config)):
-        raise ConfigError("--vllm.speculative_config needs a 'method' (e.g. ngram, eagle, mtp) or a draft 'model', "
+        raise ConfigError("--engine.speculative_config needs a 'method' (e.g. ngram, eagle, mtp) or a draft 'model', "
                           f"got keys {sorted(cfg.speculative_config)}")
     if device == "cpu" and cfg.tensor_parallel_size > 1:
-        raise ConfigError(f"--vllm.tensor_parallel_size {cfg.tensor_parallel_size}: vLLM's CPU build runs here with "
-                          "one in-process worker; use --vllm.tensor_parallel_size 1 (or more --vllm.num_engines)")
+        raise ConfigError(f"--engine.tensor_parallel_size {cfg.tensor_parallel_size}: vLLM's CPU build runs here with "
+                          "one in-process worker; use --engine.tensor_parallel_size 1 (or more --engine.num_engines)")
     if routing_replay and device == "cpu":
         raise ConfigError("--train.routing_replay needs the experts each token was routed to, which vLLM returns only "
                           "on GPU (its Model Runner V2); on CPU use --rollout.engine embedded, which records them")
     if routing_replay and not cfg.enable_prefix_caching:
-        raise ConfigError("--train.routing_replay with vLLM needs --vllm.enable_prefix_caching true (vLLM keeps the "
+        raise ConfigError("--train.routing_replay with vLLM needs --engine.enable_prefix_caching true (vLLM keeps the "
                           "routing of cached prefixes with the cache)")
 
 

@@ -49,18 +49,18 @@ class Cluster:
         if not replay:
             print(f"instar: rollout engine {engine} (--rollout.engine {cfg.rollout.engine}, "
                   f"{'a GPU' if gpu else 'no GPU'} in the Ray cluster)", flush=True)
-        vllm, tp = engine == "vllm", cfg.vllm.tensor_parallel_size
+        vllm, tp = engine == "vllm", cfg.engine.tensor_parallel_size
         if vllm:
             from instar.engines.vllm import check_engine_config
 
-            check_engine_config(cfg.vllm, "cuda" if gpu else "cpu", cfg.train.routing_replay)
+            check_engine_config(cfg.engine, "cuda" if gpu else "cpu", cfg.train.routing_replay)
         per_engine = tp if vllm else 1  # weight-sync ranks per engine: one per tensor-parallel worker
         # Threads: in sync mode generation and training take turns, so each gets every core; otherwise
         # engines and trainer ranks compute at the same time and share them (bench/rl_step.py measures it).
-        engines, ranks = 0 if replay else cfg.vllm.num_engines, cfg.fsdp.num_ranks
+        engines, ranks = 0 if replay else cfg.engine.num_engines, cfg.fsdp.num_ranks
         sync = cfg.train.force_sync_mode
         actor = EngineActor.options(num_cpus=0, num_gpus=1 if vllm and gpu and tp == 1 else 0)
-        self.engines = [actor.remote(model, engine, cfg.vllm, cfg.train.routing_replay,
+        self.engines = [actor.remote(model, engine, cfg.engine, cfg.train.routing_replay,
                                      cpu_share=engines if sync else engines + ranks) for _ in range(engines)]
         self.agents = [] if replay else [AgentActor.options(num_cpus=0).remote(
             cfg.train.agent_path, model, self.engines, max_len=cfg.data.max_len,

@@ -7,6 +7,7 @@ every agent runner are continuously batched together. Weights arrive over a dedi
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -81,7 +82,12 @@ class RemoteEngine:
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        session_id: str | None = None) -> Generation:
-        return await self.handle.generate.remote(prompt_token_ids, sampling_params, session_id)
+        ref = self.handle.generate.remote(prompt_token_ids, sampling_params, session_id)
+        try:
+            return await ref
+        except asyncio.CancelledError:  # a client hung up: Ray does not pass that on by itself
+            ray.cancel(ref)
+            raise
 
     def release(self, session_id: str) -> None:
         self.handle.release.remote(session_id)  # not awaited: nothing waits on it

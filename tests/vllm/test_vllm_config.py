@@ -21,13 +21,13 @@ from instar.engines.vllm import (
 
 
 @pytest.mark.parametrize("changes,device,routing,message", [
-    ({"num_engines": 0}, "cuda", False, "--vllm.num_engines and --vllm.tensor_parallel_size must be >= 1"),
-    ({"gpu_memory_utilization": 1.5}, "cuda", False, "--vllm.gpu_memory_utilization is a fraction in"),
-    ({"max_num_seqs": 64, "max_num_batched_tokens": 32}, "cuda", False, "must be >= --vllm.max_num_seqs"),
+    ({"num_engines": 0}, "cuda", False, "--engine.num_engines and --engine.tensor_parallel_size must be >= 1"),
+    ({"gpu_memory_utilization": 1.5}, "cuda", False, "--engine.gpu_memory_utilization is a fraction in"),
+    ({"max_num_seqs": 64, "max_num_batched_tokens": 32}, "cuda", False, "must be >= --engine.max_num_seqs"),
     ({"speculative_config": {"num_speculative_tokens": 3}}, "cuda", False, "needs a 'method'"),
-    ({"tensor_parallel_size": 2}, "cpu", False, "use --vllm.tensor_parallel_size 1"),
+    ({"tensor_parallel_size": 2}, "cpu", False, "use --engine.tensor_parallel_size 1"),
     ({}, "cpu", True, "vLLM returns only on GPU"),
-    ({"enable_prefix_caching": False}, "cuda", True, "needs --vllm.enable_prefix_caching true"),
+    ({"enable_prefix_caching": False}, "cuda", True, "needs --engine.enable_prefix_caching true"),
 ])
 def test_guard_rails_name_the_fix(changes, device, routing, message):
     with pytest.raises(ConfigError, match=message):
@@ -51,9 +51,9 @@ def test_vllm_flags_reach_the_engine_args():
                     "--vllm.enforce_eager", "--vllm.dtype", "bfloat16", "--vllm.logprobs_mode", "raw",
                     "--vllm.max_num_seqs", "32", "--vllm.max_num_batched_tokens", "4096",
                     "--vllm.speculative_config", '{"method": "ngram", "num_speculative_tokens": 2}'])
-    assert cfg.vllm.num_engines == 3  # the runtime's business: one engine (AsyncLLM) per actor
-    args = engine_args("/ckpt", cfg.vllm, "cuda")
-    assert args.pop("seed") != engine_args("/ckpt", cfg.vllm, "cuda")["seed"]  # unseeded requests differ per engine
+    assert cfg.engine.num_engines == 3  # the runtime's business: one engine (AsyncLLM) per actor
+    args = engine_args("/ckpt", cfg.engine, "cuda")
+    assert args.pop("seed") != engine_args("/ckpt", cfg.engine, "cuda")["seed"]  # unseeded requests differ per engine
     assert args == {
         "model": "/ckpt", "dtype": "bfloat16", "tensor_parallel_size": 2, "gpu_memory_utilization": 0.7,
         "enable_prefix_caching": False, "enforce_eager": True, "max_num_seqs": 32, "max_num_batched_tokens": 4096,

@@ -35,7 +35,7 @@ def test_sync_loop_with_vllm_engine_keeps_engine_and_trainer_in_step(tmp_path, t
     cfg.rollout.engine = "vllm"
     cfg.rollout.batch_size = 2
     cfg.rollout.n_samples_per_prompt = 4
-    cfg.rollout.vllm_generate_batch_size = 2
+    cfg.rollout.max_groups_in_flight = 2
     cfg.ckpt.output_dir = str(tmp_path / "run")
     run(cfg)
     metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
