@@ -44,7 +44,7 @@ class SamplingParams:
             raise ContractError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
 
     def replace(self, **changes: Any) -> SamplingParams:
-        return SamplingParams(**{**_plain(self), **changes})
+        return SamplingParams(**{**_as_kwargs(self), **changes})
 
 
 @dataclass
@@ -211,5 +211,6 @@ def _decode(x: Any) -> Any:
     return x
 
 
-def _plain(obj: Any) -> dict[str, Any]:
+def _as_kwargs(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields, shallow (``asdict`` would deep-copy tensors and nested records)."""
     return {f.name: getattr(obj, f.name) for f in fields(obj)}

@@ -1,4 +1,4 @@
-"""The RL loop. Read this file first.
+"""The RL loop. Read this file first; docs/design.md draws the same step as one picture.
 
     batch of finished prompt groups -> filter -> reference / critic passes (and the policy's own, when
     the advantages need it) -> advantages -> policy (and critic) updates, one per mini-batch of

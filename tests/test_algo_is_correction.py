@@ -44,8 +44,14 @@ def test_named_schemes(level, mode):
 
 
 def test_schemes_differ_pairwise_on_the_crafted_batch():
-    weights = [tuple(map(tuple, w)) for w in EXPECTED.values()]
-    assert len(set(weights)) == len(weights)
+    """Each scheme's own output differs from every other's, so no flag silently means another."""
+    outputs = {k: is_weights(adv_cfg(*k), OLD, ROLLOUT, MASK) for k in EXPECTED}
+    for a in outputs:
+        for b in outputs:
+            if a < b:
+                wa, ka = outputs[a]
+                wb, kb = outputs[b]
+                assert not (torch.equal(wa, wb) and torch.equal(ka, kb)), (a, b)
 
 
 def test_metrics_through_policy_loss():

@@ -44,8 +44,8 @@ from instar.config import ActorConfig, RLConfig
 
 Pair = tuple[Tensor, Tensor]  # (per-token loss [B, T], clipped [B, T] bool)
 # (logprobs, old_logprobs, advantages, keep, actor) -> Pair; inputs are 0 off the action tokens
-LossFn = Callable[[Tensor, Tensor, Tensor, Tensor, ActorConfig], Pair]
-LOSSES: dict[str, LossFn] = {}
+TokenLossFn = Callable[[Tensor, Tensor, Tensor, Tensor, ActorConfig], Pair]
+LOSSES: dict[str, TokenLossFn] = {}
 
 
 def _ratio(log_ratio: Tensor) -> Tensor:

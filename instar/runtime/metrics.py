@@ -38,7 +38,7 @@ class MetricsLogger:
         self.bar = tqdm(total=total_steps, initial=start_step, desc="rl", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        row = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
+        row = {"step": step, **{k: _json_value(v) for k, v in sorted(metrics.items())}}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
@@ -75,7 +75,8 @@ class MetricsLogger:
             self.wandb.finish()
 
 
-def _plain(v: Any) -> Any:
+def _json_value(v: Any) -> Any:
+    """A metric as JSON can hold it: tensors and numpy scalars as numbers, NaN and inf as null."""
     if hasattr(v, "item"):
         v = v.item()
     if isinstance(v, float) and not math.isfinite(v):

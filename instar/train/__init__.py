@@ -6,6 +6,7 @@
   worker       TrainWorker: one rank (logprobs, values, train/critic steps, sync, save, export)
   weight_sync  bucketed broadcast of full weights from trainer rank 0 to the engines
   checkpoint   atomic sharded checkpoints (DCP) with scheduler, RNG and the caller's extra state
+  run_dir      one run per output directory; crash-safe rewrites of its ledger and dumps on resume
   moe          routing replay (R3) and frozen routers, as hooks on the HF router modules
   optim        AdamW and the warm-up + decay schedule
   sft          `instar sft`

@@ -14,7 +14,7 @@ from vllm_tier import hf_logits, hf_logprobs, needs_vllm, start_engine, wait_unt
 
 from instar.config import EngineConfig
 from instar.contract import SamplingParams
-from instar.engines import EmbeddedEngine, Engine
+from instar.engines import EmbeddedEngine
 from instar.engines.sampling import filter_logits
 
 pytestmark = needs_vllm
@@ -167,9 +167,19 @@ def test_pause_wait_drains_and_holds_new_requests(vllm):
     assert later.result(timeout=30).token_ids == finished.token_ids[:5]
 
 
+def test_stats_count_what_was_served(vllm):
+    engine, loop = vllm
+    before = dict(engine.stats)
+    gen = loop.run(engine.generate([5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=3), "s"))
+    engine.release("s")  # vLLM finds prefixes by their tokens: nothing to forget, and no error
+    again = loop.run(engine.generate([5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=3)))
+    delta = {k: engine.stats[k] - before[k] for k in before}
+    assert delta["prompt_tokens"] == 10 and delta["sampled_tokens"] == len(gen.token_ids) + len(again.token_ids)
+    assert 0 <= delta["prefix_hit_tokens"] <= 5  # the second prompt may hit vLLM's block-aligned cache
+
+
 def test_errors_name_the_problem(vllm):
     engine, loop = vllm
-    assert isinstance(engine, Engine)
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         loop.run(engine.generate([1, 99999], SamplingParams()))
     with pytest.raises(ValueError, match="non-empty"):
