@@ -6,7 +6,10 @@ Layer 0 (stdlib only), beside config.py.
 
 from __future__ import annotations
 
-from instar.config import ConfigError, RLConfig
+import math
+from typing import Any
+
+from instar.config import ConfigError, FSDPConfig, RLConfig
 
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "grpo", "dr_grpo")
 
@@ -49,20 +52,49 @@ def _check_batches(cfg: RLConfig) -> None:
                           f"--rollout.batch_size ({r.batch_size}) or a step can never fill "
                           "(leave it unset to derive it)")
     total = r.batch_size * r.n_samples_per_prompt
-    if t.batch_size is not None and not (fsdp.num_ranks <= t.batch_size <= total and total % t.batch_size == 0):
-        divisors = [d for d in range(fsdp.num_ranks, total + 1) if total % d == 0]
+    if t.batch_size is not None and not (fsdp.data_size <= t.batch_size <= total and total % t.batch_size == 0):
+        divisors = [d for d in range(fsdp.data_size, total + 1) if total % d == 0]
         raise ConfigError(f"--train.batch_size {t.batch_size} must divide the rollout batch of {total} samples "
                           f"(--rollout.batch_size {r.batch_size} x --rollout.n_samples_per_prompt "
-                          f"{r.n_samples_per_prompt}) and be >= --fsdp.num_ranks {fsdp.num_ranks}; "
+                          f"{r.n_samples_per_prompt}) and be >= the data-parallel ranks {fsdp.data_size}; "
                           f"use one of {divisors}, or leave it unset for one update per batch")
     if t.max_epochs < 1:
         raise ConfigError(f"--train.max_epochs must be >= 1, got {t.max_epochs}")
     if cfg.rollout.engine == "embedded":  # named explicitly: its limits are known before Ray starts
         choose_engine(cfg, gpu=False, vllm_installed=False)
+    check_layout(fsdp)
+
+
+BUILT = {"tp_size": True, "ep_size": False, "cp_size": False}  # which parallel dimensions exist so far
+
+
+def check_layout(fsdp: FSDPConfig, model: Any = None) -> None:
+    """The trainer's mesh: --fsdp.num_ranks = data x cp x tp ranks, experts split over ep of the data
+    ranks. With ``model`` (an HF config) also that heads and experts divide."""
+    tp, ep, cp, n = fsdp.tp_size, fsdp.ep_size, fsdp.cp_size, fsdp.num_ranks
     for name in ("tp_size", "ep_size", "cp_size"):
-        if getattr(fsdp, name) != 1:
-            raise ConfigError(f"--fsdp.{name} {getattr(fsdp, name)}: tensor, expert and context parallelism are not "
-                              f"built yet; the trainer is data-parallel (--fsdp.num_ranks). Set --fsdp.{name} 1")
+        size = getattr(fsdp, name)
+        if size < 1:
+            raise ConfigError(f"--fsdp.{name} must be >= 1, got {size}")
+        if size > 1 and not BUILT[name]:
+            raise ConfigError(f"--fsdp.{name} {size}: this parallel dimension is not built yet. Set --fsdp.{name} 1")
+    if n % (tp * cp):
+        raise ConfigError(f"--fsdp.num_ranks {n} must be a multiple of --fsdp.tp_size x --fsdp.cp_size = {tp * cp}; "
+                          f"use --fsdp.num_ranks {tp * cp * max(1, n // (tp * cp))}")
+    if fsdp.data_size % ep:
+        raise ConfigError(f"--fsdp.ep_size {ep} must divide the data-parallel ranks (--fsdp.num_ranks / (tp x cp) "
+                          f"= {fsdp.data_size}); use --fsdp.num_ranks {ep * tp * cp} or a smaller --fsdp.ep_size")
+    if model is None:
+        return
+    heads, kv = model.num_attention_heads, model.num_key_value_heads
+    for size, flag in ((tp, "tp_size"), (cp, "cp_size")):
+        if heads % size or kv % size:
+            raise ConfigError(f"--fsdp.{flag} {size} must divide the model's attention heads ({heads}) and "
+                              f"key/value heads ({kv}); use a divisor of {math.gcd(heads, kv)}")
+    experts = getattr(model, "num_experts", None)
+    if ep > 1 and (not experts or experts % ep):
+        raise ConfigError(f"--fsdp.ep_size {ep} must divide the model's experts ({experts or 'none: a dense model'}); "
+                          "use a divisor of the expert count, or 1")
 
 
 def run_ahead_groups(cfg: RLConfig) -> int:

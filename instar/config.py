@@ -205,11 +205,19 @@ class FSDPConfig:
     FlexAttention; GPU only: it has no backward on CPU), sdpa / eager (transformers' own, with a block-diagonal
     mask), or auto (flex_attention on a GPU; on CPU packed, or sdpa for a model with a sliding window)."""
     tp_size: int = 1
-    """Tensor parallelism of the trainer (not built yet: must be 1)."""
+    """Tensor parallelism: each of this many ranks holds a slice of every attention and MLP weight and a
+    share of the heads; they see the same samples. Divides --fsdp.num_ranks."""
     ep_size: int = 1
-    """Expert parallelism of the trainer's MoE layers (not built yet: must be 1)."""
+    """Expert parallelism of MoE layers: the experts are split over this many of the data-parallel ranks,
+    tokens travel to their experts by all-to-all. Divides the data-parallel size."""
     cp_size: int = 1
-    """Context parallelism of the trainer (not built yet: must be 1)."""
+    """Context parallelism: each packed row is split over this many ranks (Ulysses: all-to-all over
+    heads around attention); they see the same samples. Divides --fsdp.num_ranks."""
+
+    @property
+    def data_size(self) -> int:
+        """Ranks that see different samples: --fsdp.num_ranks / (tp_size x cp_size)."""
+        return self.num_ranks // (self.tp_size * self.cp_size)
 
 
 @dataclass

@@ -73,12 +73,18 @@ def test_an_interrupted_save_is_never_resumed_from(tmp_path):
     assert checkpoint.latest(str(tmp_path)) == str(tmp_path / "step_9")
 
 
-def test_load_refuses_another_world_size(tmp_path):
+def test_another_world_size_loads_the_weights_and_keeps_the_rng(tmp_path):
+    """Resharding across layouts itself is tested over gloo in test_parallel.py."""
     model, opt = _model_and_optimizer(0)
     path = checkpoint.save(str(tmp_path), 1, {"net": (model, opt)}, {})
-    torch.save({"step": 1, "world_size": 4}, os.path.join(path, "meta.pt"))
-    with pytest.raises(ValueError, match="saved by 4 ranks but 1 are running"):
-        checkpoint.load(path, {"net": (model, opt)})
+    torch.save({"step": 1, "world_size": 4}, os.path.join(path, "meta.pt"))  # as if saved by 4 ranks
+    other, other_opt = _model_and_optimizer(1)
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    assert checkpoint.load(path, {"net": (other, other_opt)})["world_size"] == 4
+    assert torch.equal(torch.get_rng_state(), rng)  # rank 0 of 4 is not this rank's counterpart
+    for a, b in zip(model.parameters(), other.parameters()):
+        assert torch.equal(a, b)
 
 
 def _three_checkpoints(root):

@@ -53,7 +53,7 @@ def rows(path) -> list[dict]:
 
 
 def test_sync_mode_two_engines_two_ranks(tmp_path, tiny_model_dir, prompts):
-    cfg = make_cfg(tmp_path, tiny_model_dir, prompts, **{"train.force_sync_mode": True, "vllm.num_engines": 2,
+    cfg = make_cfg(tmp_path, tiny_model_dir, prompts, **{"train.force_sync_mode": True, "engine.num_engines": 2,
                                                           "fsdp.num_ranks": 2})
     run(cfg)
     metrics = rows(tmp_path / "run/metrics.jsonl")
@@ -71,7 +71,7 @@ def test_sync_mode_two_engines_two_ranks(tmp_path, tiny_model_dir, prompts):
 
 def test_async_partial_rollout_mixes_versions(tmp_path, tiny_model_dir, prompts):
     cfg = make_cfg(tmp_path, tiny_model_dir, prompts, **{
-        "train.async_queue_size": 2, "train.partial_rollout_enable": True, "vllm.num_engines": 2,
+        "train.async_queue_size": 2, "train.partial_rollout_enable": True, "engine.num_engines": 2,
         "fsdp.num_ranks": 2, "rollout.vllm_generate_batch_size": 8, "data.max_new_tokens": 320,
         "data.max_len": 1024, "train.rollout_dump_dir": str(tmp_path / "dump"), "train.max_steps": 6})
     run(cfg)

@@ -102,9 +102,9 @@ def mini_batches(rows: Rows, cfg: RLConfig, step: int) -> list[list[int]]:
     """The updates of one step as row indices: per epoch the trajectories are shuffled (seeded by
     --actor.seed, the step and the epoch) and dealt into `updates_per_batch` mini-batches, a
     trajectory's segments kept together. A batch that lost trajectories (dropped, filtered) keeps
-    the number of updates with smaller mini-batches, down to one trajectory per trainer rank."""
+    the number of updates with smaller mini-batches, down to one trajectory per data-parallel rank."""
     n = len(rows.trajectories)
-    k = max(1, min(updates_per_batch(cfg), n // cfg.fsdp.num_ranks))
+    k = max(1, min(updates_per_batch(cfg), n // cfg.fsdp.data_size))
     by_traj: list[list[int]] = [[] for _ in range(n)]
     for row, t in enumerate(rows.traj_index.tolist()):
         by_traj[t].append(row)

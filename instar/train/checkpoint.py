@@ -80,12 +80,11 @@ def save(root: str, step: int, models: Stateful, meta: dict[str, Any], max_num: 
 
 
 def load(path: str, models: Stateful) -> dict[str, Any]:
-    """Restore shards into ``models`` (already built and sharded the same way) and this rank's RNG
-    states; returns the metadata given to ``save``."""
+    """Restore shards into ``models``, built and sharded in any layout: DCP reads each rank's part of
+    every tensor whatever the layout that saved it. This rank's RNG states too when the number of
+    ranks is the same (else each rank keeps its own: nothing in a training step draws from them
+    today, and a rank of another layout has no counterpart). Returns the metadata given to ``save``."""
     meta = torch.load(os.path.join(path, "meta.pt"), weights_only=False)
-    if meta["world_size"] != _world():
-        raise ValueError(f"checkpoint {path} was saved by {meta['world_size']} ranks but {_world()} are running; "
-                         "resume with the same --fsdp.num_ranks")
     state = _sharded_state(models)
     dcp.load(state, checkpoint_id=path)
     for name, (model, optimizer) in models.items():
@@ -94,7 +93,8 @@ def load(path: str, models: Stateful) -> dict[str, Any]:
         else:
             set_state_dict(model, optimizer, model_state_dict=state[name]["model"],
                            optim_state_dict=state[name]["optim"])
-    _set_rng_state(torch.load(os.path.join(path, f"rng_rank{_rank()}.pt"), weights_only=False))
+    if meta["world_size"] == _world():
+        _set_rng_state(torch.load(os.path.join(path, f"rng_rank{_rank()}.pt"), weights_only=False))
     return meta
 
 

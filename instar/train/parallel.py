@@ -1,10 +1,15 @@
-"""How the trainer is sharded: the process group and device mesh (built once) and one function that
-applies FSDP2 to any model. The model code never sees any of it; TP/EP would be one more function.
+"""How the trainer is sharded: the process group, the device mesh and its `Layout` (built once), and
+`parallelize`, the one entry that applies tensor, expert and context parallelism, activation
+checkpointing and FSDP2 to any model, in that order. The model code never sees any of it.
+
+The mesh is (dp, ep, cp, tp), row-major over the ranks: tp innermost (the ranks that exchange the
+most), then cp; dp x ep ranks see different samples, cp and tp ranks of one data shard the same.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -14,8 +19,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from instar.checks import check_layout
 from instar.config import FSDPConfig
 from instar.train.model import DTYPES, decoder_layers, enable_activation_checkpointing
+from instar.train.tensor_parallel import apply_tensor_parallel
 
 
 def device_type() -> str:
@@ -36,36 +43,105 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
                             world_size=world_size, timeout=timedelta(minutes=30))
 
 
-def build_mesh(fsdp: FSDPConfig) -> DeviceMesh:
-    """The 1-D data-parallel mesh over all trainer ranks; the one place parallel dimensions are named."""
+@dataclass
+class Layout:
+    """This rank's place in the mesh, and what the worker needs from it."""
+
+    mesh: DeviceMesh  # ("dp", "ep", "cp", "tp")
+
+    def size(self, dim: str) -> int:
+        return self.mesh[dim].size()
+
+    def rank(self, dim: str) -> int:
+        return self.mesh[dim].get_local_rank()
+
+    @property
+    def data_size(self) -> int:
+        """Ranks that see different samples (dp x ep)."""
+        return self.size("dp") * self.size("ep")
+
+    @property
+    def data_rank(self) -> int:
+        return self.rank("dp") * self.size("ep") + self.rank("ep")
+
+    @property
+    def shard_size(self) -> int:
+        """The ranks FSDP shards (and averages gradients) over: dp x ep x cp."""
+        return self.data_size * self.size("cp")
+
+    @property
+    def lead(self) -> bool:
+        """The first rank of its cp x tp group: counts what the group computed together once."""
+        return self.rank("cp") == 0 and self.rank("tp") == 0
+
+    def fsdp_mesh(self, dims: tuple[str, ...] = ("dp", "ep", "cp")) -> DeviceMesh:
+        """``dims`` flattened into the 1-D mesh FSDP shards over."""
+        if len([d for d in dims if self.size(d) > 1]) <= 1:  # nothing to flatten: the one dimension with ranks
+            return self.mesh[next((d for d in dims if self.size(d) > 1), dims[0])]
+        return self.mesh[dims]._flatten("_".join(dims))
+
+
+def build_layout(fsdp: FSDPConfig) -> Layout:
+    """The mesh over all trainer ranks; the one place parallel dimensions are named."""
     world = dist.get_world_size()
     if world != fsdp.num_ranks:
         raise ValueError(f"--fsdp.num_ranks is {fsdp.num_ranks} but {world} trainer processes joined; "
                          "start exactly --fsdp.num_ranks ranks")
-    return init_device_mesh(device_type(), (world,), mesh_dim_names=("dp",))
+    check_layout(fsdp)
+    shape = (fsdp.data_size // fsdp.ep_size, fsdp.ep_size, fsdp.cp_size, fsdp.tp_size)
+    return Layout(init_device_mesh(device_type(), shape, mesh_dim_names=("dp", "ep", "cp", "tp")))
+
+
+def parallelize(model: nn.Module, layout: Layout, fsdp: FSDPConfig) -> nn.Module:
+    """TP, EP, CP, activation checkpointing, then FSDP2, in place. Parameters become DTensors with
+    their HF names unchanged; `weight_sync` and `checkpoint` gather or reshard them by name."""
+    check_layout(fsdp, model.config)
+    if fsdp.offload == "none":
+        model.to(device_type())
+    if layout.size("tp") > 1:
+        apply_tensor_parallel(model, layout.mesh["tp"])
+    if fsdp.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    return apply_fsdp(model, layout.fsdp_mesh(), fsdp)
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig) -> nn.Module:
     """FSDP2 in place: ``fully_shard`` each decoder layer, then the root (embeddings, final norm,
-    head). Parameters become DTensors sharded on dim 0 with their HF names unchanged."""
-    if fsdp.activation_checkpointing:
-        enable_activation_checkpointing(model)
+    head). Parameters become DTensors sharded on dim 0 (of what TP left) with their HF names unchanged."""
     # Gradients always reduce in float32; bf16 only changes the compute dtype of forward/backward.
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[fsdp.mixed_precision], reduce_dtype=torch.float32)
     # CPU offload keeps sharded params, grads and optimizer state in host memory and steps there;
     # pinned memory needs an accelerator, so on CPU the policy only exercises the same code path.
     offload = CPUOffloadPolicy(pin_memory=device_type() == "cuda") if fsdp.offload == "optimizer" else OffloadPolicy()
-    if fsdp.offload == "none":
-        model.to(device_type())
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
     return model
 
 
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
+    """The global gradient norm, and gradients scaled to at most ``max_norm``. Unlike torch's own
+    this takes gradients on different meshes (FSDP-only and FSDP x TP parameters): one reduction
+    per mesh, then the sum."""
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    squares = 0.0
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        squares += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2
+    total = squares ** 0.5
+    if total > max_norm:
+        for grads in by_mesh.values():
+            torch._foreach_mul_(grads, max_norm / (total + 1e-6))
+    return total
+
+
 def all_reduce(values: list[float], op: str = "sum") -> list[float]:
     """Reduce a few floats over all trainer ranks (token counts, metric sums, micro-batch counts);
-    CPU tensors travel over gloo on GPU machines too."""
+    CPU tensors travel over gloo on GPU machines too. Ranks that computed the same thing (one cp x tp
+    group) contribute once: see `Layout.lead`."""
     t = torch.tensor(values, dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)

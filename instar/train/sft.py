@@ -18,10 +18,9 @@ from instar.config import SFTConfig
 from instar.contract import Sample
 from instar.data.sft import load_sft_samples
 from instar.train import checkpoint
-from instar.train.batch import LossInputs, shard_samples
+from instar.train.batch import LossInputs
 from instar.train.launch import cpu_threads, free_port, run_ranks
 from instar.train.model import load_tokenizer
-from instar.train.parallel import all_reduce
 from instar.train.worker import TrainWorker
 
 
@@ -53,15 +52,11 @@ def _split(samples: list[Sample], fraction: float, seed: int) -> tuple[list[Samp
     return [samples[i] for i in order[n_eval:]], [samples[i] for i in order[:n_eval]]
 
 
-def _mine(samples: list[Sample], rank: int, world: int) -> list[Sample]:
-    return [samples[i] for i in shard_samples([len(s.token_ids) for s in samples], world)[rank]]
-
-
 def eval_loss(worker: TrainWorker, samples: list[Sample]) -> float:
     """Mean NLL per assistant token of ``samples`` (this rank's share), over all ranks."""
     logprobs = worker.compute_logprobs(samples)
     nll = sum(-(lp * torch.tensor(s.action_mask)).sum().item() for s, lp in zip(samples, logprobs))
-    total, count = all_reduce([nll, sum(s.num_actions for s in samples)])
+    total, count = worker.sum_over_data([nll, sum(s.num_actions for s in samples)])
     return total / count
 
 
@@ -80,7 +75,7 @@ def _sft_rank(rank: int, world: int, port: int, cfg: SFTConfig) -> dict[str, flo
     start = 0
     if cfg.ckpt.load_enable and (path := checkpoint.latest(ckpt_dir)):
         start = worker.load(path)["step"]
-    held_out = _mine(held_out, rank, world) if len(held_out) >= world else []
+    held_out = worker.share(held_out) if len(held_out) >= cfg.fsdp.data_size else []
     metrics: dict[str, float] = {}
     if held_out and start == 0:
         _log(out, rank, {"step": 0, "eval/loss": eval_loss(worker, held_out)})

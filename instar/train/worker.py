@@ -26,7 +26,16 @@ from instar.train.batch import LossInputs, MicroBatch, StepInputs, collate, plan
 from instar.train.model import forward_logits, load_model, load_tokenizer, load_value_model, next_token_logprobs
 from instar.train.moe import freeze_routers, replay_routes
 from instar.train.optim import build_optimizer, build_scheduler
-from instar.train.parallel import all_gather_objects, all_reduce, apply_fsdp, build_mesh, device_type, init_distributed
+from instar.train.parallel import (
+    Layout,
+    all_gather_objects,
+    all_reduce,
+    build_layout,
+    clip_grad_norm,
+    device_type,
+    init_distributed,
+    parallelize,
+)
 
 
 @dataclass
@@ -58,24 +67,24 @@ class TrainWorker:
         init_distributed(rank, world_size, master_addr, master_port)
         self.rank, self.world_size, self.device = rank, world_size, device_type()
         torch.manual_seed(self.actor.seed)
-        mesh = build_mesh(self.fsdp)
+        self.layout: Layout = build_layout(self.fsdp)
         a = self.actor
         self.policy = load_model(a.model_name_or_path, a.dtype, a.model_backend, self.fsdp.attn_implementation)
         if a.freeze_moe_router:
             freeze_routers(self.policy)
-        apply_fsdp(self.policy, mesh, self.fsdp)
+        parallelize(self.policy, self.layout, self.fsdp)
         self.optimizer = build_optimizer(self.policy, a.learning_rate, a.adam_betas, a.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, a.lr_warmup_steps, self.train.max_steps, a.lr_scheduler)
         self.ref = None
         if self.ref_path:
             self.ref = load_model(self.ref_path, a.dtype, a.model_backend, self.fsdp.attn_implementation)
             self.ref.requires_grad_(False)
-            apply_fsdp(self.ref, mesh, self.fsdp)
+            parallelize(self.ref, self.layout, self.fsdp)
         self.critic = None
         if self.critic_cfg is not None:
             self.critic = load_value_model(self.critic_cfg.model_name_or_path or a.model_name_or_path, a.dtype,
                                            self.fsdp.attn_implementation)
-            apply_fsdp(self.critic, mesh, self.fsdp)
+            parallelize(self.critic, self.layout, self.fsdp)
             self.critic_optimizer = build_optimizer(self.critic, self.critic_cfg.learning_rate, a.adam_betas,
                                                     a.weight_decay)
             self.critic_scheduler = build_scheduler(self.critic_optimizer, a.lr_warmup_steps, self.train.max_steps,
@@ -188,9 +197,18 @@ class TrainWorker:
                              updates or [list(range(len(samples)))], loss_of, "critic")
 
     def _share(self, samples: list[Sample], indices: list[int]) -> list[int]:
-        """This rank's part of ``indices``: the same token-balanced split on every rank."""
-        shards = shard_samples([len(samples[i].token_ids) for i in indices], self.world_size)
-        return [indices[k] for k in shards[self.rank]]
+        """This rank's part of ``indices``: the same token-balanced split on every rank, one part per
+        data-parallel rank (the tp and cp ranks of one data shard take the same part)."""
+        shards = shard_samples([len(samples[i].token_ids) for i in indices], self.layout.data_size)
+        return [indices[k] for k in shards[self.layout.data_rank]]
+
+    def share(self, samples: list[Sample]) -> list[Sample]:
+        """This rank's part of ``samples`` (see `_share`)."""
+        return [samples[i] for i in self._share(samples, list(range(len(samples))))]
+
+    def sum_over_data(self, values: list[float]) -> list[float]:
+        """Sums over the data-parallel ranks of what each data shard computed (counted once per shard)."""
+        return all_reduce([v if self.layout.lead else 0.0 for v in values])
 
     def _updates(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, samples: list[Sample],
                  inputs: StepInputs, updates: list[list[int]], loss_of: Callable, prefix: str,
@@ -207,18 +225,17 @@ class TrainWorker:
                 mb.inputs.global_num_action_tokens = torch.tensor(global_tokens, device=self.device)
                 with self._replay(model, mb):
                     loss, metrics = loss_of(mb)
-                    # FSDP averages gradients over ranks, but each rank's loss is already its share of the
-                    # global token sum: scale by world size so the reduced gradient is the global mean's.
-                    (loss * (0.0 if repeat else float(self.world_size))).backward()
+                    # FSDP averages gradients over the ranks it shards over, but each rank's loss is already
+                    # its share of the global token sum: scale so the reduced gradient is the global mean's.
+                    (loss * (0.0 if repeat else float(self.layout.shard_size))).backward()
                 if not repeat:
                     sums["micro_batches"] = sums.get("micro_batches", 0.0) + 1
                     for k, v in {"loss": loss, **metrics}.items():
                         sums[k] = sums.get(k, 0.0) + float(v.detach() if isinstance(v, Tensor) else v)
-            grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            grad_norm = clip_grad_norm([p for p in model.parameters() if p.requires_grad], clip)
             optimizer.step()
             names = sorted(sums)
-            totals = all_reduce([sums.get(k, 0.0) for k in names])
+            totals = self.sum_over_data([sums.get(k, 0.0) for k in names])
             per_update.append({**dict(zip(names, totals)), "grad_norm": float(grad_norm)})
             if u == 0 and after_first is not None:
                 after_first()
