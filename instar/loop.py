@@ -87,6 +87,7 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
             mark(stream, out, step + 1, rejected, "filtered")
             if not kept:  # everything filtered or dropped: nothing to learn from, draw again
                 barren += 1
+                await cluster.restore_engines(step)  # a restarted sole engine serves only once it has weights
                 why = barren_reason(metrics, await usage.read())
                 logger.note(f"step {step + 1}: nothing to train on in batch {barren} in a row: {why}")
                 if barren == cfg.train.max_barren_batches:
@@ -125,7 +126,8 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
             if cfg.train.rollout_dump_dir:
                 Path(cfg.train.rollout_dump_dir).mkdir(parents=True, exist_ok=True)
                 write_jsonl(f"{cfg.train.rollout_dump_dir}/step_{step:06d}.jsonl", rows.trajectories)
-            metrics |= adv_metrics | batching.rollout_metrics(rows.trajectories, step - 1) | await usage.read()
+            metrics |= (adv_metrics | batching.rollout_metrics(rows.trajectories, step - 1) | await usage.read()
+                        | pool.metrics())
             # trainer_idle: waiting for finished rollouts (generation that did not overlap training)
             metrics |= {"kl_coef": kl.value, "time/trainer_idle": t_gen - t0, "time/logprobs": t_logp - t_gen,
                         "time/train": t_train - t_logp, "time/weight_sync": t_sync - t_train,

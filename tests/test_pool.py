@@ -1,33 +1,44 @@
 """The streaming rollout pool: a resumed pool hands out the checkpoint's groups first and never reuses
-a group id; sync mode starts generating only when told the weights were updated."""
+a group id; sync mode starts generating only when told the weights were updated; a group whose agent
+runner died is launched again, unless Ray gave up on the runner."""
 
 import asyncio
+
+import pytest
+from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from instar.config import RLConfig
 from instar.contract import Sample, SamplingParams, Trajectory
 from instar.data.prompts import Prompt, PromptStream
+from instar.runtime import pool as pool_module
 from instar.runtime.pool import Group, PoolState, RolloutPool
 
 
 class FakeAgent:
-    """An agent-runner actor handle: ``run_group.remote(tasks)`` answers one trajectory per task."""
+    """An agent-runner actor handle: ``run_group.remote(tasks)`` answers one trajectory per task, or
+    raises the next of ``deaths`` (the actor died while running the group)."""
 
-    def __init__(self):
+    def __init__(self, deaths=()):
         self.launched: list[int] = []
+        self.prompts: list[int] = []
         self.run_group = self
+        self.deaths = list(deaths)
 
     async def remote(self, tasks):
         self.launched.append(tasks[0].group_id)
+        self.prompts.append(tasks[0].prompt_index)
         await asyncio.sleep(0)
+        if self.deaths:
+            raise self.deaths.pop(0)
         return [Trajectory([Sample([1, 2], [0, 1], [0.0, -0.1], [-1, 0])], reward=1.0, group_id=t.group_id)
                 for t in tasks]
 
 
-def pool(state=None, sync=False):
+def pool(state=None, sync=False, deaths=()):
     cfg = RLConfig()
     cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.train.force_sync_mode = 2, 2, sync
     stream = PromptStream([Prompt(i, [{"role": "user", "content": str(i)}]) for i in range(8)])
-    agent = FakeAgent()
+    agent = FakeAgent(deaths)
     return RolloutPool([agent], stream, cfg, SamplingParams(), state), agent
 
 
@@ -59,3 +70,36 @@ def test_sync_mode_generates_again_only_after_the_weights_are_updated():
 
     before, after = asyncio.run(main())
     assert before == [0, 1] and after == [0, 1, 2, 3]
+
+
+def restarting():
+    return ActorUnavailableError("The actor is temporarily unavailable: The actor was restarted", None)
+
+
+def test_groups_of_a_restarted_agent_runner_run_again_and_are_counted(monkeypatch):
+    monkeypatch.setattr(pool_module, "RELAUNCH_DELAY_S", 0.0)
+
+    async def main():
+        # both groups in flight die; group 0's first relaunch fails too (the runner is still restarting)
+        p, agent = pool(sync=True, deaths=[restarting(), restarting(), restarting()])
+        batch = await p.next_batch(2)
+        await p.close()
+        return batch, agent, p.metrics()
+
+    batch, agent, metrics = asyncio.run(main())
+    assert agent.launched == [0, 1, 0, 1, 0] and agent.prompts[:2] == agent.prompts[2:4]  # same groups, prompts
+    assert [(g.group_id, g.prompt_index, len(g.trajectories)) for g in batch] == [
+        (1, agent.prompts[1], 2), (0, agent.prompts[0], 2)]  # in the order they finished
+    assert metrics == {"faults/agent_restarts": 1.0, "faults/requeued_groups": 2.0}
+
+
+def test_an_agent_runner_ray_no_longer_restarts_stops_the_run():
+    async def main():
+        p, _ = pool(sync=True, deaths=[ActorDiedError()])
+        try:
+            await p.next_batch(2)
+        finally:
+            await p.close()
+
+    with pytest.raises(RuntimeError, match="agent runner 0 is dead and Ray no longer restarts it"):
+        asyncio.run(main())

@@ -119,3 +119,36 @@ def test_router_over_embedded_engines_keeps_sessions_warm(tiny_model_dir):
     assert third.versions == [2] * 4
     # The weight update dropped every cached prefix; s0's third turn cached one again, on its engine only.
     assert sorted(cached) == [0, 1] and after_release == [0, 0]
+
+
+class DeadEngine(RecordingEngine):
+    """An engine behind a dead (or restarted, weightless) actor: every call raises."""
+
+    def load(self):
+        raise RuntimeError("actor died")
+
+    async def generate(self, prompt_token_ids, sampling_params, session_id=None):
+        self.calls.append(("generate", session_id))
+        raise RuntimeError("actor died")
+
+
+def test_an_engine_that_cannot_report_its_load_is_skipped_and_a_failed_session_is_placed_afresh():
+    async def main():
+        live, dead = RecordingEngine("live", queued=7), DeadEngine("dead")
+        live.go.set()
+        router = Router([dead, live])  # the dead one would win: its index breaks the tie
+        router.sessions["s1"] = 0  # placed on "dead" before it died
+        with pytest.raises(RuntimeError, match="actor died"):
+            await router.generate([1], SamplingParams(), "s1")
+        after_failure = dict(router.sessions)
+        await router.generate([1], SamplingParams(), "s1")  # e.g. the agent SDK's retry
+        await router.generate([1], SamplingParams(), "s2")
+        load = await router.load()
+        with pytest.raises(RuntimeError, match="all 1 failed their load"):
+            await Router([DeadEngine("x")]).generate([1], SamplingParams(), "s3")
+        return live, dead, router, after_failure, load
+
+    live, dead, router, after_failure, load = asyncio.run(main())
+    assert after_failure == {} and router.sessions == {"s1": 1, "s2": 1}
+    assert sessions_on(dead) == ["s1"] and sessions_on(live) == ["s1", "s2"]
+    assert load == EngineLoad(queued=7, running=0) and router._in_flight == [0, 0]

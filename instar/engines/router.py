@@ -2,6 +2,8 @@
 
 Every request of one session goes to the engine that served its first turn, where that session's
 prefix cache is warm; a new session goes to the engine with the least load (queued + running).
+An engine whose `load()` raises (dead, restarting, or restarted and waiting for weights) is skipped
+while the others serve; a session whose engine fails a request is placed afresh on its next one.
 Control calls (pause, weights) do not pass through here: the driver sends them to each engine.
 
 Engines are `instar.engines.protocol.Sampler`s: an in-process engine, or the thin async proxy of a Ray
@@ -34,6 +36,10 @@ class Router:
         index = await self._place(session_id)
         try:
             return await self.engines[index].generate(prompt_token_ids, sampling_params, session_id)
+        except Exception:
+            if session_id is not None and self.sessions.get(session_id) == index:
+                del self.sessions[session_id]  # its engine may be gone: a retry goes to a live one
+            raise
         finally:
             self._in_flight[index] -= 1
 
@@ -42,16 +48,26 @@ class Router:
         index = self.sessions.get(session_id) if session_id is not None else None
         if index is None:
             loads = await self._loads()
+            up = [i for i, load in enumerate(loads) if load is not None]
+            if not up:
+                raise RuntimeError(f"no rollout engine can take a request: all {len(loads)} failed their load() "
+                                   "(dead, or restarted and waiting for the next weight sync)")
             # No await between choosing and counting: concurrent placements see each other's choice.
-            index = min(range(len(self.engines)), key=lambda i: (loads[i].total, self._in_flight[i], i))
+            index = min(up, key=lambda i: (loads[i].total, self._in_flight[i], i))
             if session_id is not None:  # a concurrent first request of the same session may have won
                 index = self.sessions.setdefault(session_id, index)
         self._in_flight[index] += 1
         return index
 
-    async def _loads(self) -> list[EngineLoad]:
-        # One at a time: an in-process engine's load() then never suspends this coroutine.
-        return [await _value(engine.load()) for engine in self.engines]
+    async def _loads(self) -> list[EngineLoad | None]:
+        """Each engine's load; None for one that cannot answer."""
+        loads: list[EngineLoad | None] = []
+        for engine in self.engines:  # one at a time: an in-process engine's load() then never suspends
+            try:
+                loads.append(await _value(engine.load()))
+            except Exception:
+                loads.append(None)
+        return loads
 
     def release(self, session_id: str) -> None:
         """Forget a finished session (its next request, if any, is placed afresh); its engine frees what
@@ -61,9 +77,8 @@ class Router:
             self.engines[index].release(session_id)
 
     async def load(self) -> EngineLoad:
-        loads = await self._loads()
+        loads = [x for x in await self._loads() if x is not None]
         return EngineLoad(queued=sum(x.queued for x in loads), running=sum(x.running for x in loads))
-
 
 
 async def _value(x):

@@ -13,8 +13,11 @@ import torch
 
 from instar.contract import Trajectory
 
+AGENT_MAX_RESTARTS = 3
+"""How many times Ray restarts a crashed agent-runner actor in one run (its groups are launched again)."""
 
-@ray.remote
+
+@ray.remote(max_restarts=AGENT_MAX_RESTARTS)
 class AgentActor:
     def __init__(self, agent_path: str, model_path: str, engine_handles: list[Any], *, max_len: int,
                  max_new_tokens: int, agent_timeout: float, system_prompt: str | None):

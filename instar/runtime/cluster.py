@@ -1,5 +1,9 @@
 """Everything the loop talks to, placed on Ray: rollout engines, agent runners, trainer ranks, and the
-dedicated weight-sync group from trainer rank 0 to every engine."""
+dedicated weight-sync group from trainer rank 0 to every engine.
+
+Ray restarts a crashed engine (`EngineActor`); the restarted one refuses requests until the next weight
+sync forms a new group with it and sends it the policy. A dead trainer rank stops the run
+(`TrainerGroup`); agent runners are the pool's concern (`RolloutPool`)."""
 
 from __future__ import annotations
 
@@ -10,12 +14,16 @@ import time
 from typing import Any
 
 import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from instar.checks import choose_engine
 from instar.config import RLConfig
 from instar.runtime.agents import AgentActor
-from instar.runtime.engines import EngineActor
+from instar.runtime.engines import ENGINE_MAX_RESTARTS, EngineActor
 from instar.runtime.trainer_group import TrainerGroup
+
+CLOSE_TIMEOUT_S = 10.0
+"""How long the agent runners and engines get to close before they are killed."""
 
 
 class Cluster:
@@ -26,6 +34,7 @@ class Cluster:
         self.has_ref = cfg.algo.kl.coef > 0 or adv.estimator == "on_policy_distill"
         self.has_critic = adv.estimator == "gae"
         self.started_ray = False
+        self.engine_restarts = 0  # seen at weight syncs, counted in their metrics
 
     async def __aenter__(self) -> Cluster:
         self.engines, self.agents, self.trainer = [], [], None
@@ -50,11 +59,12 @@ class Cluster:
             print(f"instar: rollout engine {engine} (--rollout.engine {cfg.rollout.engine}, "
                   f"{'a GPU' if gpu else 'no GPU'} in the Ray cluster)", flush=True)
         vllm, tp = engine == "vllm", cfg.engine.tensor_parallel_size
+        self.sync_device = "cuda" if gpu and vllm else "cpu"  # NCCL only between GPU trainer and GPU engines
         if vllm:
             from instar.engines.vllm import check_engine_config
 
             check_engine_config(cfg.engine, "cuda" if gpu else "cpu", cfg.train.routing_replay)
-        per_engine = tp if vllm else 1  # weight-sync ranks per engine: one per tensor-parallel worker
+        self.per_engine = tp if vllm else 1  # weight-sync ranks per engine: one per tensor-parallel worker
         # Threads: in sync mode generation and training take turns, so each gets every core; otherwise
         # engines and trainer ranks compute at the same time and share them (bench/rl_step.py measures it).
         engines, ranks = 0 if replay else cfg.engine.num_engines, cfg.fsdp.num_ranks
@@ -71,14 +81,29 @@ class Cluster:
         self.trainer = await TrainerGroup.start(cfg, ref_path=(cfg.actor.ref_model_name_or_path or model)
                                                 if self.has_ref else None, critic=self.has_critic,
                                                 cpu_share=ranks if sync or not engines else engines + ranks)
-        if self.engines:  # the group's store lives on trainer rank 0's node, at a port free there
-            addr, port = await self.trainer.ranks[0].address.remote()
-            world = 1 + len(self.engines) * per_engine
-            device = "cuda" if gpu and vllm else "cpu"  # NCCL only between GPU trainer and GPU engines
-            await asyncio.gather(self.trainer.open_weight_sync(addr, port, world, device),
-                                 *(e.join_weight_group.remote(addr, port, 1 + i * per_engine, world, device)
-                                   for i, e in enumerate(self.engines)))
+        if self.engines:
+            await self._open_weight_sync()
         return self
+
+    async def _open_weight_sync(self) -> None:
+        """Trainer rank 0 and every engine join a new weight-sync group (a member's old one is dropped);
+        its store lives on trainer rank 0's node, at a port free there."""
+        addr, port = await self.trainer.ranks[0].address.remote()
+        world, per, device = 1 + len(self.engines) * self.per_engine, self.per_engine, self.sync_device
+        await asyncio.gather(self.trainer.open_weight_sync(addr, port, world, device),
+                             *(self._call(i, "join_weight_group", addr, port, 1 + i * per, world, device)
+                               for i in range(len(self.engines))))
+
+    async def _call(self, i: int, method: str, *args: Any) -> Any:
+        """Engine ``i``'s ``method``; while Ray restarts the engine, asked again until the new one answers."""
+        while True:
+            try:
+                return await getattr(self.engines[i], method).remote(*args)
+            except ActorUnavailableError:
+                await asyncio.sleep(1.0)
+            except ActorDiedError as e:
+                raise RuntimeError(f"rollout engine {i} is dead and Ray no longer restarts it (it died more than "
+                                   f"{ENGINE_MAX_RESTARTS} times this run); see its log above") from e
 
     async def sync_weights(self, version: int, keep_in_flight: bool) -> dict[str, float]:
         """Pause the engines (keeping in-flight requests for partial rollout, else restarting them),
@@ -90,7 +115,10 @@ class Cluster:
         # 0.56 s step at the demo's size, 2.8 s of 9.2 s at 16x: bench/rl_step.py)
         mode = "keep" if keep_in_flight else "restart"
         t0 = time.perf_counter()
-        await asyncio.gather(*(e.pause.remote(mode) for e in self.engines))
+        restarted = sum(await asyncio.gather(*(self._call(i, "pause", mode) for i in range(len(self.engines)))))
+        if restarted:  # a restarted engine is in no group: every member joins a new one
+            self.engine_restarts += restarted
+            await self._open_weight_sync()
         t1 = time.perf_counter()
         results = await asyncio.gather(self.trainer.send_weights(),
                                        *(e.receive_weights.remote(version) for e in self.engines))
@@ -98,11 +126,22 @@ class Cluster:
         # before it resumes simply queue. The next pause is sent after this resume, in order.
         for e in self.engines:
             e.resume.remote()
-        return results[0] | {"weight_sync/pause_s": t1 - t0, "weight_sync/transfer_s": time.perf_counter() - t1}
+        return results[0] | {"weight_sync/pause_s": t1 - t0, "weight_sync/transfer_s": time.perf_counter() - t1,
+                             "faults/engine_restarts": float(self.engine_restarts)}
+
+    async def restore_engines(self, version: int) -> None:
+        """Send the weights now if an engine was restarted: with one engine, nothing is generated until then."""
+        if self.engines and any(await asyncio.gather(*(self._call(i, "needs_weights")
+                                                       for i in range(len(self.engines))))):
+            await self.sync_weights(version, keep_in_flight=True)
 
     async def __aexit__(self, *exc: Any) -> None:
-        await asyncio.gather(*(a.close.remote() for a in self.agents), *(e.close.remote() for e in self.engines),
-                             return_exceptions=True)
+        closing = asyncio.gather(*(a.close.remote() for a in self.agents), *(e.close.remote() for e in self.engines),
+                                 return_exceptions=True)
+        try:  # an engine stuck in a broadcast from a dead trainer rank would answer only at the group's timeout
+            await asyncio.wait_for(closing, CLOSE_TIMEOUT_S)
+        except TimeoutError:
+            pass
         for actor in [*self.agents, *self.engines]:  # on a shared cluster they would outlive the run
             ray.kill(actor)
         if self.trainer is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import warnings
 from typing import Any
 
 import ray
@@ -33,7 +34,11 @@ def make_engine(model_path: str, backend: str, cfg: EngineConfig, routing_replay
     raise ValueError(f"--rollout.engine must be embedded or vllm, got {backend!r}")
 
 
-@ray.remote
+ENGINE_MAX_RESTARTS = 3
+"""How many times Ray restarts a crashed engine actor in one run (the driver then gives it the weights)."""
+
+
+@ray.remote(max_restarts=ENGINE_MAX_RESTARTS)
 class EngineActor:
     def __init__(self, model_path: str, backend: str, cfg: EngineConfig, routing_replay: bool = False,
                  cpu_share: int = 1):
@@ -41,18 +46,36 @@ class EngineActor:
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
         self.engine = make_engine(model_path, backend, cfg, routing_replay)
+        # Restarted by Ray after a crash, it holds the initial weights, not the policy's, and belongs to
+        # no weight-sync group: it refuses requests until the driver sends it the weights (`pause`).
+        with warnings.catch_warnings():  # Ray's own property reads a deprecated one
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.stale = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+    def _check_serving(self) -> None:
+        if self.stale:
+            raise RuntimeError("this rollout engine was restarted after a crash and waits for the policy's "
+                               "weights (sent at the next weight sync)")
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        session_id: str | None = None) -> Generation:
+        self._check_serving()
         return await self.engine.generate(prompt_token_ids, sampling_params, session_id)
 
-    async def pause(self, mode: PauseMode = "keep") -> None:
+    async def pause(self, mode: PauseMode = "keep") -> bool:
+        """Pause; True when this engine was restarted and has had no weights since: it must join a new
+        weight-sync group before the broadcast (one call, so no restart can fall between the two)."""
         await self.engine.pause(mode)
+        return self.stale
+
+    def needs_weights(self) -> bool:
+        return self.stale
 
     async def resume(self) -> None:
         await self.engine.resume()
 
     def load(self) -> EngineLoad:
+        self._check_serving()  # a Router skips an engine whose load() raises
         return self.engine.load()
 
     def release(self, session_id: str) -> None:
@@ -69,6 +92,7 @@ class EngineActor:
     async def receive_weights(self, version: int) -> None:
         """Receive one broadcast from trainer rank 0 and load it (the engine must be paused)."""
         await self.engine.receive_weights(receive_weights, version)
+        self.stale = False
 
     async def close(self) -> None:
         await self.engine.close()

@@ -5,6 +5,9 @@ Staleness is bounded by how far generation may run ahead: at most `batch_size * 
 groups are launched but not yet consumed, so a group is trained at most `async_queue_size` policy
 versions after the one it started under (FIFO). In sync mode new groups start only once the weights
 were updated (`weights_updated`), so each batch is sampled by the policy it trains.
+
+A group whose agent runner died (Ray restarts it) is launched again: same prompt, same group id, fresh
+rollouts; a runner Ray no longer restarts stops the run.
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from ray.exceptions import ActorDiedError, RayActorError
+
 from instar.agents.api import Task
 from instar.checks import in_flight_groups, run_ahead_groups
 from instar.config import RLConfig
 from instar.contract import SamplingParams, Trajectory, read_jsonl
 from instar.data.prompts import Prompt, PromptStream
+from instar.runtime.agents import AGENT_MAX_RESTARTS
 
 
 def group_tasks(prompt: Prompt, group_id: int, n: int, sampling: SamplingParams, id_prefix: str) -> list[Task]:
@@ -73,7 +79,16 @@ class Pool(Protocol):
 
     def state(self) -> PoolState: ...
 
+    def metrics(self) -> dict[str, float]:
+        """Counts since the start of the run, for the step's metrics."""
+        ...
+
     async def close(self) -> None: ...
+
+
+RELAUNCH_DELAY_S = 1.0
+"""Wait before launching a group again on a restarting agent runner, so a runner that cannot be reached
+for a while is not asked in a tight loop."""
 
 
 class RolloutPool:
@@ -84,8 +99,10 @@ class RolloutPool:
         state = state or PoolState()
         self.done: list[Group] = list(state.pending)
         self.next_group_id = state.next_group_id
-        self.in_flight: dict[asyncio.Task, Group] = {}
+        self.in_flight: dict[asyncio.Task, tuple[Group, list[Task], int, bool]] = {}  # + agent index, relaunched
         self.error: BaseException | None = None
+        self.agent_restarts = self.requeued_groups = 0
+        self.agents_down: set[int] = set()  # died, and no group finished on them since
         self.auto_refill = not cfg.train.force_sync_mode
         self.ahead, self.limit = run_ahead_groups(cfg), in_flight_groups(cfg)
 
@@ -99,23 +116,41 @@ class RolloutPool:
         gid = self.next_group_id
         self.next_group_id += 1
         tasks = group_tasks(prompt, gid, self.cfg.rollout.n_samples_per_prompt, self.sampling, f"g{gid}-s")
-        agent = self.agents[gid % len(self.agents)]
-        group = Group(gid, epoch, prompt.index)
-        task = asyncio.ensure_future(self._run(agent, tasks))
-        self.in_flight[task] = group
+        self._start(Group(gid, epoch, prompt.index), tasks, gid % len(self.agents))
+
+    def _start(self, group: Group, tasks: list[Task], agent: int, relaunch: bool = False) -> None:
+        task = asyncio.ensure_future(self._run(self.agents[agent], tasks, RELAUNCH_DELAY_S if relaunch else 0.0))
+        self.in_flight[task] = (group, tasks, agent, relaunch)
         task.add_done_callback(self._finished)
 
     @staticmethod
-    async def _run(agent: Any, tasks: list[Task]) -> list[Trajectory]:
+    async def _run(agent: Any, tasks: list[Task], delay: float) -> list[Trajectory]:
+        await asyncio.sleep(delay)
         return await agent.run_group.remote(tasks)
 
     def _finished(self, task: asyncio.Task) -> None:
-        group = self.in_flight.pop(task)
+        group, tasks, agent, relaunched = self.in_flight.pop(task)
         if task.cancelled():
             return
-        if task.exception() is not None:  # an agent-actor crash: raised by next_batch, in the loop
-            self.error = task.exception()
+        error = task.exception()
+        if isinstance(error, RayActorError) and not isinstance(error, ActorDiedError):
+            # The runner died and Ray restarts it (user-code errors never get here: they drop one rollout)
+            if agent not in self.agents_down:  # its other groups in flight died with it: one restart
+                self.agent_restarts += 1
+                self.agents_down.add(agent)
+            if not relaunched:  # a relaunch may fail again while Ray restarts the runner: one requeue
+                self.requeued_groups += 1
+            self._start(group, tasks, agent, relaunch=True)
             return
+        if isinstance(error, ActorDiedError):
+            self.error = RuntimeError(f"agent runner {agent} is dead and Ray no longer restarts it (it died more "
+                                      f"than {AGENT_MAX_RESTARTS} times this run); see its log above")
+            self.error.__cause__ = error
+            return
+        if error is not None:  # raised by next_batch, in the loop
+            self.error = error
+            return
+        self.agents_down.discard(agent)
         group.trajectories = task.result()
         self.done.append(group)
         if self.auto_refill:
@@ -126,7 +161,7 @@ class RolloutPool:
         self.fill()
         while len(self.done) < n:
             if self.error is not None:
-                raise RuntimeError("an agent runner failed") from self.error
+                raise RuntimeError(f"an agent runner failed: {self.error}") from self.error
             if not self.in_flight:
                 raise RuntimeError("rollout pool is empty: no group in flight and too few finished")
             await asyncio.wait(list(self.in_flight), return_when=asyncio.FIRST_COMPLETED)
@@ -140,6 +175,10 @@ class RolloutPool:
     def state(self) -> PoolState:
         """Saved with checkpoints, so no finished group is lost and no group id is used twice."""
         return PoolState(list(self.done), self.next_group_id)
+
+    def metrics(self) -> dict[str, float]:
+        return {"faults/agent_restarts": float(self.agent_restarts),
+                "faults/requeued_groups": float(self.requeued_groups)}
 
     async def close(self) -> None:
         for task in list(self.in_flight):
@@ -169,6 +208,9 @@ class ReplayPool:
 
     def state(self) -> PoolState:
         return PoolState()  # the dump is the state: a resumed replay starts at its step's file
+
+    def metrics(self) -> dict[str, float]:
+        return {}
 
     async def close(self) -> None:
         pass

@@ -6,14 +6,18 @@ each rank takes its share of each update.
 
 from __future__ import annotations
 
+import asyncio
+import os
 from typing import Any
 
 import ray
 import torch
+from ray.exceptions import RayActorError
 from torch import Tensor
 
 from instar.config import RLConfig, SFTConfig
 from instar.contract import Sample
+from instar.train import checkpoint
 from instar.train.batch import StepInputs, shard_samples
 from instar.train.launch import cpu_threads, free_port
 from instar.train.worker import LossFn, TrainStats, TrainWorker, ValueLossFn
@@ -37,8 +41,11 @@ class _Rank(TrainWorker):
 
 
 class TrainerGroup:
-    def __init__(self, ranks: list[Any]) -> None:
-        self.ranks = ranks
+    def __init__(self, ranks: list[Any], checkpoints: str) -> None:
+        """``checkpoints``: the run's checkpoint directory, named when a rank dies."""
+        self.ranks, self.checkpoints = ranks, checkpoints
+        self.broken = False  # a call failed: ranks may be stuck in a collective, shutdown kills them
+        self.data_size = len(ranks)  # ranks that see different samples (--fsdp.num_ranks / (tp x cp))
 
     @classmethod
     async def start(cls, cfg: RLConfig | SFTConfig, ref_path: str | None = None, critic: bool = False,
@@ -52,7 +59,8 @@ class TrainerGroup:
         ranks = [actor.remote(cfg.actor, cfg.fsdp, cfg.train, critic_cfg, ref_path, cpu_share=cpu_share)
                  for _ in range(cfg.fsdp.num_ranks)]
         addr, port = await ranks[0].address.remote()
-        group = cls(ranks)
+        group = cls(ranks, os.path.join(cfg.ckpt.output_dir, "checkpoints"))
+        group.data_size = cfg.fsdp.data_size
         await group._all("init", *[(r, len(ranks), addr, port) for r in range(len(ranks))])
         return group
 
@@ -60,13 +68,31 @@ class TrainerGroup:
         """Call ``method`` on every rank, rank r with ``per_rank[r]`` (or ``per_rank[0]`` for all)."""
         refs = [getattr(r, method).remote(*(per_rank[i] if len(per_rank) > 1 else per_rank[0] if per_rank else ()))
                 for i, r in enumerate(self.ranks)]
-        return [await ref for ref in refs]
+        try:  # all at once: a dead rank leaves the others waiting in a collective (30 min to time out)
+            return await asyncio.gather(*(self._one(rank, ref) for rank, ref in enumerate(refs)))
+        except BaseException:
+            self.broken = True
+            raise
+
+    async def _one(self, rank: int, ref: Any) -> Any:
+        try:
+            return await ref
+        except RayActorError as e:
+            last = checkpoint.latest(self.checkpoints)
+            resume = (f"the latest checkpoint is {last}: resume from it with --ckpt.load_enable true" if last else
+                      f"no checkpoint was saved in {self.checkpoints} yet (--ckpt.save_steps): start over")
+            raise RuntimeError(f"trainer rank {rank} died ({type(e).__name__}); the run cannot go on without "
+                               f"it; {resume}") from e
 
     async def _per_sample(self, method: str, samples: list[Sample], *rest: Any) -> list[Tensor]:
-        shards = shard_samples([len(s.token_ids) for s in samples], len(self.ranks))
-        results = await self._all(method, *[([samples[i] for i in shard], *rest) for shard in shards])
+        """One shard per data-parallel rank; the cp x tp ranks of a data shard (consecutive ranks, see
+        `instar.train.parallel`) compute it together, and the first of them answers."""
+        group = len(self.ranks) // self.data_size
+        shards = shard_samples([len(s.token_ids) for s in samples], self.data_size)
+        results = await self._all(method, *[([samples[i] for i in shards[r // group]], *rest)
+                                            for r in range(len(self.ranks))])
         out: list[Tensor] = [torch.empty(0)] * len(samples)
-        for shard, values in zip(shards, results):
+        for shard, values in zip(shards, results[::group]):
             for i, v in zip(shard, values):
                 out[i] = v
         return out
@@ -110,6 +136,7 @@ class TrainerGroup:
         return (await self._all("export_hf", (out_dir,)))[0]
 
     async def shutdown(self) -> None:
-        await self._all("shutdown")
+        if not self.broken:
+            await self._all("shutdown")
         for r in self.ranks:
             ray.kill(r)

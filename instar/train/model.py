@@ -114,6 +114,10 @@ class ValueModel(nn.Module):
         self.value_head = nn.Linear(trunk.config.hidden_size, 1, bias=False, dtype=trunk.dtype)
         nn.init.zeros_(self.value_head.weight)  # values start at 0, so early GAE equals Monte-Carlo returns
 
+    @property
+    def config(self) -> Any:
+        return self.trunk.config
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.trunk(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                             **_bounds_for(self.trunk, position_ids)).last_hidden_state
