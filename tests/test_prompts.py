@@ -5,7 +5,7 @@ import json
 import pytest
 
 from instar.config import DataConfig
-from instar.data.prompts import PromptStream, load_prompts
+from instar.data.prompts import Prompt, PromptStream, load_prompts
 
 
 def write(tmp_path, records):
@@ -73,3 +73,21 @@ def test_rejected_prompts_are_not_served_again_after_a_resume(tmp_path):
     resumed.load_state_dict(s.state_dict())
     served = [(e, p.index) for e, p in (resumed.next() for _ in range(4))]
     assert sorted(served) == [(1, 0), (1, 1), (1, 2), (1, 3)]  # none of epoch 0; the next epoch serves it again
+
+
+def test_a_second_resume_does_not_serve_a_finished_epoch_again():
+    """The state saved after a resume starts no earlier than the resumed epoch: the finished epochs'
+    records were dropped at the first save, so the stream must not count them as untrained."""
+    prompts = [Prompt(i, [{"role": "user", "content": str(i)}]) for i in range(4)]
+    a = PromptStream(prompts, seed=0)
+    for _ in range(6):  # all of epoch 0 and two of epoch 1
+        e, p = a.next()
+        a.mark_trained(e, p.index)
+    b = PromptStream(prompts, seed=0)
+    b.load_state_dict(a.state_dict())
+    e, p = b.next()
+    b.mark_trained(e, p.index)
+    c = PromptStream(prompts, seed=0)
+    c.load_state_dict(b.state_dict())
+    e, p = c.next()
+    assert e == 1 and (e, p.index) not in b.trained  # the last untrained prompt of epoch 1

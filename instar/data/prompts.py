@@ -72,6 +72,7 @@ class PromptStream:
     def __init__(self, prompts: list[Prompt], seed: int = 0, shuffle: bool = True):
         self.prompts, self.seed, self.shuffle = prompts, seed, shuffle
         self.epoch, self.cursor = 0, 0
+        self.floor = 0  # epochs before it are done (a resumed stream no longer holds their records)
         self.trained: set[tuple[int, int]] = set()
         self.rejected: set[tuple[int, int]] = set()  # groups the loop could not train on (filtered, dropped)
         self.skip: set[tuple[int, int]] = set()  # handed out before a resume and still pending
@@ -108,7 +109,7 @@ class PromptStream:
         # previous epoch may still have been in flight.
         done = self.trained | self.rejected
         counts = Counter(epoch for epoch, _ in done)
-        first = next((e for e in range(self.epoch + 1) if counts[e] < len(self.prompts)), self.epoch)
+        first = next((e for e in range(self.floor, self.epoch + 1) if counts[e] < len(self.prompts)), self.epoch)
         return {"epoch": first, "trained": sorted(k for k in self.trained if k[0] >= first),
                 "rejected": sorted(k for k in self.rejected if k[0] >= first)}
 
@@ -116,6 +117,7 @@ class PromptStream:
         """Restart the recorded epoch from its beginning, skipping what was trained, rejected or is pending:
         whatever was in flight when the run died is simply handed out again."""
         self.epoch, self.cursor = state["epoch"], 0
+        self.floor = state["epoch"]
         self.trained = {tuple(k) for k in state["trained"]}
         self.rejected = {tuple(k) for k in state["rejected"]}
         self.skip = set(pending)
