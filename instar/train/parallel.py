@@ -21,6 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from instar.checks import check_layout
 from instar.config import FSDPConfig
+from instar.train.expert_parallel import apply_expert_parallel, experts_modules
 from instar.train.model import DTYPES, decoder_layers, enable_activation_checkpointing
 from instar.train.tensor_parallel import apply_tensor_parallel
 
@@ -100,19 +101,33 @@ def parallelize(model: nn.Module, layout: Layout, fsdp: FSDPConfig) -> nn.Module
         model.to(device_type())
     if layout.size("tp") > 1:
         apply_tensor_parallel(model, layout.mesh["tp"])
+    expert_mesh = None
+    if layout.size("ep") > 1:
+        apply_expert_parallel(model, layout.mesh["ep"])
+        expert_mesh = layout.fsdp_mesh(("dp", "cp"))  # the data ranks that hold the same experts
     if fsdp.activation_checkpointing:
         enable_activation_checkpointing(model)
-    return apply_fsdp(model, layout.fsdp_mesh(), fsdp)
+    return apply_fsdp(model, layout.fsdp_mesh(), fsdp, expert_mesh)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, expert_mesh: DeviceMesh | None = None,
+               ) -> nn.Module:
     """FSDP2 in place: ``fully_shard`` each decoder layer, then the root (embeddings, final norm,
-    head). Parameters become DTensors sharded on dim 0 (of what TP left) with their HF names unchanged."""
+    head). Parameters become DTensors sharded on dim 0 (of what TP left) with their HF names unchanged.
+    With ``expert_mesh`` (expert parallelism) each layer's experts are sharded over that mesh first."""
     # Gradients always reduce in float32; bf16 only changes the compute dtype of forward/backward.
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[fsdp.mixed_precision], reduce_dtype=torch.float32)
     # CPU offload keeps sharded params, grads and optimizer state in host memory and steps there;
     # pinned memory needs an accelerator, so on CPU the policy only exercises the same code path.
     offload = CPUOffloadPolicy(pin_memory=device_type() == "cuda") if fsdp.offload == "optimizer" else OffloadPolicy()
+    for experts in experts_modules(model) if expert_mesh is not None else []:
+        fully_shard(experts, mesh=expert_mesh, mp_policy=mp, offload_policy=offload)
+        # An expert's gradient already sums the losses of its ep group (the all-to-all's backward);
+        # every loss is scaled by mesh.size() (dp x ep x cp), so divide by that, not by expert_mesh's
+        # dp x cp. Gloo has no pre-multiplied sum: sum, then divide (not on one rank, where torch 2.13
+        # would divide twice).
+        experts.set_gradient_divide_factor(float(mesh.size()))
+        experts.set_force_sum_reduction_for_comms(expert_mesh.size() > 1)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
