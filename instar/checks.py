@@ -65,7 +65,7 @@ def _check_batches(cfg: RLConfig) -> None:
     check_layout(fsdp)
 
 
-BUILT = {"tp_size": True, "ep_size": True, "cp_size": False}  # which parallel dimensions exist so far
+BUILT = {"tp_size": True, "ep_size": True, "cp_size": True}  # which parallel dimensions exist so far
 
 
 def check_layout(fsdp: FSDPConfig, model: Any = None) -> None:

@@ -1,13 +1,15 @@
 """Trainer building blocks in one process: micro-batch planning, packed logprobs, LR schedule,
 MoE routing replay and the frozen router. Multi-rank behaviour is in test_train_fsdp.py."""
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from instar.contract import Sample
 from instar.train.batch import StepInputs, collate, plan_micro_batches, shard_samples
-from instar.train.model import forward_logits, load_model, next_token_logprobs
+from instar.train.model import ChunkedLogprobs, forward_logits, load_model, next_token_logprobs
 from instar.train.moe import freeze_routers, record_routes, replay_routes, routers
 from instar.train.optim import build_optimizer, lr_factor
 
@@ -76,6 +78,77 @@ def test_packed_attention_gradients_match_transformers_masked_attention(tiny_mod
         mb.unpack(logp).sum().backward()
     for (name, a), b in zip(packed.named_parameters(), masked.parameters()):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _full_softmax(logits, input_ids, temperature, with_entropy, positions):
+    """The unchunked formula: one float32 log-softmax over all rows, entropy through autograd."""
+    logp = torch.log_softmax(logits[0].float() / temperature, dim=-1)
+    target = torch.roll(input_ids[0], -1) if positions is None else input_ids[0, positions + 1]
+    token_logp = logp.gather(-1, target[:, None]).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
+    if positions is None:
+        return token_logp, entropy
+    spread = lambda v: v.new_zeros(input_ids.shape[1]).index_put((positions,), v)  # noqa: E731
+    return spread(token_logp), spread(entropy) if with_entropy else None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_entropy", [True, False])
+@pytest.mark.parametrize("at_positions", [False, True])
+def test_chunked_logprobs_equal_one_full_softmax(dtype, temperature, with_entropy, at_positions):
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (1, 40), generator=gen)
+    positions = torch.tensor([0, 3, 4, 5, 11, 12, 20, 21, 22, 23, 30, 38]) if at_positions else None
+    rows = 40 if positions is None else len(positions)
+    logits = (3 * torch.randn(1, rows, 50, generator=gen)).to(dtype).requires_grad_()
+    w_logp, w_entropy = torch.randn(40, generator=gen), torch.randn(40, generator=gen)
+    chunked = next_token_logprobs(logits, ids, temperature, with_entropy, positions, chunk_tokens=7)  # 7 ∤ rows
+    full = _full_softmax(logits, ids, temperature, with_entropy, positions)
+    # the same float32 arithmetic per row: chunking changes no value
+    assert torch.equal(chunked[0], full[0])
+    assert torch.equal(chunked[1], full[1]) if with_entropy else chunked[1] is None
+    grads = [torch.autograd.grad(logp @ w_logp + (entropy @ w_entropy if with_entropy else 0), logits)[0]
+             for logp, entropy in (chunked, full)]
+    assert grads[0].dtype == dtype
+    # float32: the hand-written gradient sums in another order than autograd's; bfloat16: one rounding
+    tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1.6e-2}
+    torch.testing.assert_close(grads[0], grads[1], **tol)
+
+
+def test_chunked_logprob_gradients_pass_gradcheck():
+    logits = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 5, (7,), generator=torch.Generator().manual_seed(1))
+    # both outputs, then each alone (the other's gradient is None: its term is skipped)
+    assert torch.autograd.gradcheck(lambda x: ChunkedLogprobs.apply(x, target, 0.7, True, 3), (logits,))
+    assert torch.autograd.gradcheck(lambda x: ChunkedLogprobs.apply(x, target, 0.7, True, 3)[1], (logits,))
+    assert torch.autograd.gradcheck(lambda x: ChunkedLogprobs.apply(x, target, 1.3, False, 3)[0], (logits,))
+
+
+def test_logprob_and_entropy_golden_values():
+    # logits / temperature = [0, ln 3]: p = [1/4, 3/4]
+    logits = torch.tensor([[[0.0, 2 * math.log(3)]]], requires_grad=True)
+    logp, entropy = next_token_logprobs(logits, torch.tensor([[1]]), temperature=2.0)
+    assert logp.item() == pytest.approx(math.log(0.75), abs=1e-7)
+    assert entropy.item() == pytest.approx(0.5623351446188083, abs=1e-7)  # -(1/4 ln 1/4 + 3/4 ln 3/4)
+    (g_logp,) = torch.autograd.grad(logp.sum(), logits, retain_graph=True)
+    assert g_logp[0, 0].tolist() == pytest.approx([-0.125, 0.125], abs=1e-7)  # (onehot - p) / T
+    (g_entropy,) = torch.autograd.grad(entropy.sum(), logits)
+    assert g_entropy[0, 0].tolist() == pytest.approx([0.10299490206263529, -0.10299490206263527], abs=1e-7)
+
+
+def test_logprob_backward_keeps_no_vocab_sized_tensor_but_the_logits():
+    logits = torch.randn(1, 64, 300, requires_grad=True)
+    saved = []
+
+    def keep(t):
+        saved.append(t)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        logp, entropy = next_token_logprobs(logits, torch.randint(0, 300, (1, 64)), 0.9, chunk_tokens=16)
+    big = [t for t in saved if t.numel() >= 64 * 300]
+    assert len(big) == 1 and big[0].data_ptr() == logits.data_ptr() and big[0].dtype == logits.dtype
+    assert max(t.numel() for t in saved if t is not big[0]) == 64  # per-row targets and entropies
 
 
 def test_lr_schedule_warms_up_then_decays():

@@ -13,6 +13,7 @@ from torch import nn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PACKED = "instar_packed"
+CHUNK_TOKENS = 512  # rows of the float32 softmax at a time: at 152k vocab 0.3 GB a tensor, two at a time
 
 
 def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -118,9 +119,11 @@ class ValueModel(nn.Module):
     def config(self) -> Any:
         return self.trunk.config
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.trunk(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                            **_bounds_for(self.trunk, position_ids)).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                attention_kwargs: dict[str, Any] | None = None) -> torch.Tensor:
+        """``attention_kwargs``: as in `forward_logits`."""
+        bounds = _bounds_for(self.trunk, position_ids) if attention_kwargs is None else attention_kwargs
+        hidden = self.trunk(input_ids=input_ids, position_ids=position_ids, use_cache=False, **bounds).last_hidden_state
         return self.value_head(hidden).float().sum(-1)  # not squeeze: FSDP warns on a view as module output
 
 
@@ -164,14 +167,17 @@ def packing_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
 
 
 def forward_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                   positions: torch.Tensor | None = None) -> torch.Tensor:
+                   positions: torch.Tensor | None = None, attention_kwargs: dict[str, Any] | None = None,
+                   ) -> torch.Tensor:
     """Logits of a packed row ``[1, N]`` whose sequences are separated by ``position_ids`` restarting
     at 0, at every position or only at ``positions`` (``[1, M, vocab]``: the head and the float32
     softmax then cost M rows, not N). Attention stays within each sequence: `packed_attention` (or a
     varlen kernel) reads the sequence bounds; any other implementation gets a block-diagonal mask
-    from transformers, built from the same ``position_ids``."""
+    from transformers, built from the same ``position_ids``. ``attention_kwargs`` replace those bounds when
+    the caller knows better (a slice of a row whose attention spans the whole row)."""
+    bounds = _bounds_for(model, position_ids) if attention_kwargs is None else attention_kwargs
     return model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                 logits_to_keep=0 if positions is None else positions, **_bounds_for(model, position_ids)).logits
+                 logits_to_keep=0 if positions is None else positions, **bounds).logits
 
 
 def _bounds_for(model: nn.Module, position_ids: torch.Tensor) -> dict[str, Any]:
@@ -186,18 +192,75 @@ def _bounds_for(model: nn.Module, position_ids: torch.Tensor) -> dict[str, Any]:
 
 def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
                         with_entropy: bool = True, positions: torch.Tensor | None = None,
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        chunk_tokens: int = CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per position t of the row: logprob of token t+1 under the logits at t (and the entropy of that
     distribution). The last position (no next token) and sequence ends are garbage the caller drops.
     With ``positions`` the logits are only those rows (see `forward_logits`); every other position of
-    the ``[N]`` results holds 0."""
-    logp = torch.log_softmax(logits[0].float() / temperature, dim=-1)
+    the ``[N]`` results holds 0. The float32 softmax runs ``chunk_tokens`` rows at a time, forward and
+    backward (`ChunkedLogprobs`): no float32 ``[tokens, vocab]`` tensor exists besides the logits."""
     target = torch.roll(input_ids[0], -1) if positions is None else input_ids[0, positions + 1]
-    token_logp = logp.gather(-1, target[:, None]).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
+    # squeeze, not [0]: the gradient of a view is a view, of a selection a new tokens x vocab tensor
+    token_logp, entropy = ChunkedLogprobs.apply(logits.squeeze(0), target, temperature, with_entropy, chunk_tokens)
     if positions is None:
         return token_logp, entropy
 
     def spread(values: torch.Tensor) -> torch.Tensor:
         return values.new_zeros(input_ids.shape[1]).index_put((positions,), values)
     return spread(token_logp), spread(entropy) if entropy is not None else None
+
+
+class ChunkedLogprobs(torch.autograd.Function):
+    """``(logits [M, vocab], target [M]) -> (logprob of target [M], entropy [M] or None)`` of
+    ``softmax(logits / temperature)`` in float32 (float64 logits stay float64), ``chunk`` rows at a time.
+
+    Why: the plain autograd graph keeps float32 log-probs and probabilities of every row for backward
+    and builds several more of that size in it: at 8k tokens x 152k vocab each is 5 GB. Here forward
+    keeps only the logits (which exist anyway) and the entropies, and backward recomputes each chunk's
+    softmax to write that chunk's gradient: d logp_y/dz = onehot(y) - p, dH/dz = -p (log p + H), with
+    z = logits / temperature (so both are divided by the temperature)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, temperature: float, with_entropy: bool,
+                chunk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        compute = torch.promote_types(logits.dtype, torch.float32)
+        token_logp = torch.empty(logits.shape[0], dtype=compute, device=logits.device)
+        entropy = torch.empty_like(token_logp) if with_entropy else None
+        for a in range(0, logits.shape[0], chunk):
+            rows = slice(a, a + chunk)
+            logp = _log_softmax(logits[rows], temperature, compute)
+            token_logp[rows] = logp.gather(-1, target[rows, None]).squeeze(-1)
+            if entropy is not None:
+                entropy[rows] = -(logp.exp().mul_(logp)).sum(-1)
+            del logp  # before the next chunk allocates its own
+        ctx.set_materialize_grads(False)  # an unused output (often the entropy) gets None: skip its term
+        ctx.save_for_backward(logits, target, entropy)
+        ctx.temperature, ctx.chunk, ctx.compute = temperature, chunk, compute
+        return token_logp, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None) -> tuple:
+        logits, target, entropy = ctx.saved_tensors
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None, None, None
+        grad = torch.empty_like(logits)
+        for a in range(0, logits.shape[0], ctx.chunk):
+            rows = slice(a, a + ctx.chunk)
+            logp = _log_softmax(logits[rows], ctx.temperature, ctx.compute)
+            p = logp.exp()
+            if grad_entropy is None:  # - p g_y
+                chunk_grad = p.mul_(-grad_logp[rows, None])
+            else:  # - p (log p + H) g_H (written over log p), then - p g_y
+                chunk_grad = logp.add_(entropy[rows, None]).mul_(p).mul_(-grad_entropy[rows, None])
+                if grad_logp is not None:
+                    chunk_grad.sub_(p.mul_(grad_logp[rows, None]))
+            if grad_logp is not None:  # + onehot(y) g_y
+                chunk_grad.scatter_add_(-1, target[rows, None], grad_logp[rows, None])
+            grad[rows] = chunk_grad.div_(ctx.temperature)
+            del logp, p, chunk_grad  # before the next chunk allocates its own
+        return grad, None, None, None, None
+
+
+def _log_softmax(logits: torch.Tensor, temperature: float, compute: torch.dtype) -> torch.Tensor:
+    """Log-softmax of ``logits / temperature`` in ``compute`` with one temporary of the chunk's size
+    (``logits.float() / t`` would make two)."""
+    return torch.log_softmax(logits.to(compute, copy=True).div_(temperature), dim=-1)

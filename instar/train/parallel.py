@@ -21,6 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from instar.checks import check_layout
 from instar.config import FSDPConfig
+from instar.train.context_parallel import apply_context_parallel
 from instar.train.expert_parallel import apply_expert_parallel, experts_modules
 from instar.train.model import DTYPES, decoder_layers, enable_activation_checkpointing
 from instar.train.tensor_parallel import apply_tensor_parallel
@@ -97,7 +98,7 @@ def parallelize(model: nn.Module, layout: Layout, fsdp: FSDPConfig) -> nn.Module
     """TP, EP, CP, activation checkpointing, then FSDP2, in place. Parameters become DTensors with
     their HF names unchanged; `weight_sync` and `checkpoint` gather or reshard them by name."""
     check_layout(fsdp, model.config)
-    if fsdp.offload == "none":
+    if fsdp.offload == "none" and not any(p.is_meta for p in model.parameters()):  # meta: materialised later
         model.to(device_type())
     if layout.size("tp") > 1:
         apply_tensor_parallel(model, layout.mesh["tp"])
@@ -105,6 +106,8 @@ def parallelize(model: nn.Module, layout: Layout, fsdp: FSDPConfig) -> nn.Module
     if layout.size("ep") > 1:
         apply_expert_parallel(model, layout.mesh["ep"])
         expert_mesh = layout.fsdp_mesh(("dp", "cp"))  # the data ranks that hold the same experts
+    if layout.size("cp") > 1:
+        apply_context_parallel(model, layout.size("cp"), layout.size("tp"), fsdp.attn_implementation)
     if fsdp.activation_checkpointing:
         enable_activation_checkpointing(model)
     return apply_fsdp(model, layout.fsdp_mesh(), fsdp, expert_mesh)

@@ -23,7 +23,9 @@ from instar.config import ActorConfig, CriticConfig, FSDPConfig, TrainConfig
 from instar.contract import Sample
 from instar.train import checkpoint, weight_sync
 from instar.train.batch import LossInputs, MicroBatch, StepInputs, collate, plan_micro_batches, right_pad, shard_samples
-from instar.train.model import forward_logits, load_model, load_tokenizer, load_value_model, next_token_logprobs
+from instar.train.context_parallel import chunk_rows, split_row, sum_over_chunks
+from instar.train.load import materialize, meta_model
+from instar.train.model import ValueModel, forward_logits, load_model, load_tokenizer, next_token_logprobs
 from instar.train.moe import freeze_routers, replay_routes
 from instar.train.optim import build_optimizer, build_scheduler
 from instar.train.parallel import (
@@ -68,27 +70,36 @@ class TrainWorker:
         self.rank, self.world_size, self.device = rank, world_size, device_type()
         torch.manual_seed(self.actor.seed)
         self.layout: Layout = build_layout(self.fsdp)
+        self.cp_group = self.layout.mesh["cp"].get_group() if self.layout.size("cp") > 1 else None
         a = self.actor
-        self.policy = load_model(a.model_name_or_path, a.dtype, a.model_backend, self.fsdp.attn_implementation)
-        if a.freeze_moe_router:
-            freeze_routers(self.policy)
-        parallelize(self.policy, self.layout, self.fsdp)
+        self.policy = self._load(a.model_name_or_path, freeze_routers if a.freeze_moe_router else None)
         self.optimizer = build_optimizer(self.policy, a.learning_rate, a.adam_betas, a.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, a.lr_warmup_steps, self.train.max_steps, a.lr_scheduler)
-        self.ref = None
-        if self.ref_path:
-            self.ref = load_model(self.ref_path, a.dtype, a.model_backend, self.fsdp.attn_implementation)
-            self.ref.requires_grad_(False)
-            parallelize(self.ref, self.layout, self.fsdp)
+        self.ref = self._load(self.ref_path, lambda m: m.requires_grad_(False)) if self.ref_path else None
         self.critic = None
         if self.critic_cfg is not None:
-            self.critic = load_value_model(self.critic_cfg.model_name_or_path or a.model_name_or_path, a.dtype,
-                                           self.fsdp.attn_implementation)
-            parallelize(self.critic, self.layout, self.fsdp)
+            self.critic = self._load(self.critic_cfg.model_name_or_path or a.model_name_or_path, value_model=True)
             self.critic_optimizer = build_optimizer(self.critic, self.critic_cfg.learning_rate, a.adam_betas,
                                                     a.weight_decay)
             self.critic_scheduler = build_scheduler(self.critic_optimizer, a.lr_warmup_steps, self.train.max_steps,
                                                     a.lr_scheduler)
+
+    def _load(self, path: str, prepare: Callable[[nn.Module], Any] | None = None, value_model: bool = False
+              ) -> nn.Module:
+        """A model built on the meta device, sharded (`parallelize`), then filled with only this rank's
+        part of the checkpoint: no rank ever holds the whole model. NVIDIA AutoModel loads whole first."""
+        a, fsdp = self.actor, self.fsdp
+        if a.model_backend != "hf" and not value_model:
+            model = load_model(path, a.dtype, a.model_backend, fsdp.attn_implementation)
+        else:
+            model = meta_model(path, a.dtype, fsdp.attn_implementation, causal_lm=not value_model)
+            model = ValueModel(model) if value_model else model
+        if prepare is not None:
+            prepare(model)
+        parallelize(model, self.layout, fsdp)
+        if any(p.is_meta for p in model.parameters()):  # FSDP's CPU offload keeps parameters on the host
+            materialize(model, path, "cpu" if fsdp.offload == "optimizer" else self.device, self.device)
+        return model
 
     # ---- forward passes -------------------------------------------------------------------------
 
@@ -111,7 +122,30 @@ class TrainWorker:
         if mb.routed_experts is None:
             raise ValueError("--train.routing_replay is on but some samples carry no routed_experts; "
                              "the engine must record them for every sample (or turn routing replay off)")
-        return replay_routes(model, mb.routed_experts)
+        routes = mb.routed_experts if self.cp_group is None else chunk_rows(mb.routed_experts, self.cp_group, -1)
+        return replay_routes(model, routes)
+
+    def _row_logprobs(self, net: nn.Module, mb: MicroBatch, temperature: float, positions: Tensor | None = None,
+                      with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:
+        """`next_token_logprobs` of the micro-batch's row. With context parallelism each cp rank runs its
+        chunk of the row (`split_row`) and every cp rank gets the whole row's results."""
+        if self.cp_group is None:
+            logits = forward_logits(net, mb.input_ids, mb.position_ids, positions)
+            return next_token_logprobs(logits, mb.input_ids, temperature, with_entropy=with_entropy,
+                                       positions=positions)
+        c = split_row(mb.input_ids, mb.position_ids, self.cp_group, positions)
+        logits = forward_logits(net, c.input_ids, c.position_ids, c.local, c.attention)
+        logp, entropy = next_token_logprobs(logits, c.row_ids, temperature, with_entropy=with_entropy,
+                                            positions=c.positions)
+        return (sum_over_chunks(logp, self.cp_group),
+                None if entropy is None else sum_over_chunks(entropy, self.cp_group))
+
+    def _row_values(self, mb: MicroBatch) -> Tensor:
+        """The critic's value at each position of the row, like `_row_logprobs`."""
+        if self.cp_group is None:
+            return self.critic(mb.input_ids, mb.position_ids)[0]
+        c = split_row(mb.input_ids, mb.position_ids, self.cp_group)
+        return sum_over_chunks(c.spread(self.critic(c.input_ids, c.position_ids, c.attention)[0]), self.cp_group)
 
     @torch.no_grad()
     def compute_logprobs(self, samples: list[Sample], temperature: float = 1.0, model: str = "policy") -> list[Tensor]:
@@ -124,8 +158,7 @@ class TrainWorker:
         out: list[Tensor] = [torch.empty(0)] * len(samples)
         for mb, repeat in self._micro_batches(samples, None):
             with self._replay(net, mb):
-                logits = forward_logits(net, mb.input_ids, mb.position_ids)
-            logp, _ = next_token_logprobs(logits, mb.input_ids, temperature, with_entropy=False)
+                logp, _ = self._row_logprobs(net, mb, temperature, with_entropy=False)
             if not repeat:
                 for i, lp in zip(mb.indices, mb.split(mb.unpack(logp))):
                     out[i] = lp
@@ -136,7 +169,7 @@ class TrainWorker:
         """Critic values per sample, aligned like logprobs: index t is V(tokens before t)."""
         out: list[Tensor] = [torch.empty(0)] * len(samples)
         for mb, repeat in self._micro_batches(samples, None):
-            values = self.critic(mb.input_ids, mb.position_ids)[0]
+            values = self._row_values(mb)
             if not repeat:
                 for i, v in zip(mb.indices, mb.split(mb.unpack(values))):
                     out[i] = v
@@ -165,8 +198,7 @@ class TrainWorker:
 
         def loss_of(mb: MicroBatch) -> tuple[Tensor, dict[str, Any]]:
             # the loss reads action tokens only: logits (and their float32 softmax) at those positions
-            logits = forward_logits(self.policy, mb.input_ids, mb.position_ids, mb.action_positions)
-            logp, entropy = next_token_logprobs(logits, mb.input_ids, temperature, positions=mb.action_positions)
+            logp, entropy = self._row_logprobs(self.policy, mb, temperature, mb.action_positions)
             logp = mb.unpack(logp)
             if old[mb.indices[0]] is None:  # the first update: its own forward is the old policy
                 mb.inputs.old_logprobs = logp.detach()
@@ -192,7 +224,7 @@ class TrainWorker:
                      updates: list[list[int]] | None = None) -> TrainStats:
         """Critic updates (``inputs.old_values``, ``inputs.returns``), split like `train_policy`."""
         def loss_of(mb: MicroBatch) -> tuple[Tensor, dict[str, Any]]:
-            return loss_fn(mb.unpack(self.critic(mb.input_ids, mb.position_ids)[0]), mb.inputs)
+            return loss_fn(mb.unpack(self._row_values(mb)), mb.inputs)
         return self._updates(self.critic, self.critic_optimizer, self.critic_scheduler, samples, inputs,
                              updates or [list(range(len(samples)))], loss_of, "critic")
 
@@ -227,6 +259,7 @@ class TrainWorker:
                     loss, metrics = loss_of(mb)
                     # FSDP averages gradients over the ranks it shards over, but each rank's loss is already
                     # its share of the global token sum: scale so the reduced gradient is the global mean's.
+                    # (cp ranks share one loss, each backpropagating it through its own chunk: `SumOverChunks`.)
                     (loss * (0.0 if repeat else float(self.layout.shard_size))).backward()
                 if not repeat:
                     sums["micro_batches"] = sums.get("micro_batches", 0.0) + 1

@@ -1,0 +1,128 @@
+"""Context parallelism, Ulysses-style: the cp ranks of one data shard split each packed row into
+contiguous chunks, one each. Embeddings, norms, MLPs and the head run on the rank's chunk alone;
+around attention an all-to-all trades the split over tokens for a split over heads, so each rank
+attends over the whole row with 1/cp of the heads, and a second all-to-all trades back.
+
+Why Ulysses, not ring attention: it needs only `all_to_all_single` (with autograd, on gloo and NCCL
+alike) and runs the unchanged `packed_attention` inside, over the whole row's sequence bounds; ring
+attention needs its own kernel that merges partial softmaxes forward and backward. Its limit: cp
+divides each rank's query heads (key/value heads that do not divide are repeated).
+
+The model code knows none of this: `apply_context_parallel` swaps its attention implementation, and
+the worker feeds each rank its chunk (`split_row`) and sums the per-position results over the cp ranks
+(`sum_over_chunks`), so every cp rank holds the whole row's logprobs and computes the whole loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
+
+from instar.train.model import packed_attention, packing_kwargs
+
+ULYSSES = "instar_ulysses"
+
+
+def apply_context_parallel(model: nn.Module, cp: int, tp: int, choice: str) -> None:
+    """Run ``model``'s attention through `ulysses_attention`, in place (``choice``: --fsdp.attn_implementation)."""
+    from transformers import AttentionInterface
+    if choice not in ("auto", "packed"):
+        raise ValueError(f"--fsdp.cp_size {cp} runs packed attention over each whole row; --fsdp.attn_implementation "
+                         f"{choice} cannot run there: set --fsdp.attn_implementation packed (or auto)")
+    heads = model.config.num_attention_heads
+    if heads % (tp * cp):
+        raise ValueError(f"--fsdp.cp_size {cp} must divide each tp rank's {heads // tp} attention heads "
+                         f"({heads} / --fsdp.tp_size {tp}); use a cp size that does")
+    AttentionInterface.register(ULYSSES, ulysses_attention)  # no mask function: transformers then builds none
+    model.config._attn_implementation = ULYSSES
+
+
+def ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                      cp_group: dist.ProcessGroup, row_bounds: tuple[int, ...], **kwargs: Any) -> tuple[Tensor, None]:
+    """`packed_attention` for this rank's chunk ``[1, heads, L, d]``: all-to-all to the whole row
+    ``[1, heads / cp, cp L, d]``, attend within its sequences (``row_bounds``: their starts and the row's
+    length), and back to ``[1, L, heads, d]``."""
+    cp = dist.get_world_size(cp_group)
+    if key.shape[1] % cp:  # e.g. one key/value head per tp rank: give each query head its own copy
+        key, value = (t.repeat_interleave(query.shape[1] // key.shape[1], dim=1) for t in (key, value))
+
+    def to_row(t: Tensor) -> Tensor:  # send head group j to rank j; chunk i arrives from rank i
+        _, h, n, d = t.shape
+        t = funcol.all_to_all_single(t.reshape(cp, h // cp, n, d).contiguous(), None, None, cp_group)
+        return t.transpose(0, 1).reshape(1, h // cp, cp * n, d)
+
+    out, _ = packed_attention(module, to_row(query), to_row(key), to_row(value), attention_mask,
+                              cu_seq_lens_q=torch.tensor(row_bounds), **kwargs)
+    _, n, h, d = out.shape  # the row [1, cp L, heads / cp, d]: send chunk j to rank j
+    out = funcol.all_to_all_single(out.reshape(cp, n // cp, h, d).contiguous(), None, None, cp_group)
+    return out.transpose(0, 1).reshape(1, n // cp, cp * h, d), None
+
+
+@dataclass
+class Chunk:
+    """This cp rank's part of a packed row, padded to a multiple of cp by one dummy sequence at its end."""
+
+    input_ids: Tensor  # [1, L] the chunk
+    position_ids: Tensor  # [1, L]
+    row_ids: Tensor  # [1, cp L] the padded row: the next token of the chunk's last position is in the next chunk
+    positions: Tensor  # [M] row positions whose next-token values this rank computes
+    local: Tensor  # [M] the same positions within the chunk
+    attention: dict[str, Any]  # the cp group and the row's sequence bounds, for `ulysses_attention`
+    start: int
+
+    def spread(self, values: Tensor) -> Tensor:
+        """The chunk's ``[L]`` per-position values at their place in an ``[cp L]`` row of zeros."""
+        return torch.nn.functional.pad(values, (self.start, self.row_ids.shape[1] - self.start - values.shape[0]))
+
+
+def split_row(input_ids: Tensor, position_ids: Tensor, group: dist.ProcessGroup,
+              positions: Tensor | None = None) -> Chunk:
+    """This rank's chunk of the row ``[1, N]``; ``positions``: the row positions whose next-token values
+    are wanted (default: all but the last)."""
+    cp, n = dist.get_world_size(group), input_ids.shape[1]
+    pad = -n % cp
+    # the padding is a sequence of its own (positions restart at 0): nothing real attends to it
+    row_ids = torch.nn.functional.pad(input_ids, (0, pad))
+    row_pos = torch.cat([position_ids, torch.arange(pad, device=position_ids.device)[None]], dim=1)
+    size = (n + pad) // cp
+    start = dist.get_rank(group) * size
+    if positions is None:
+        positions = torch.arange(n - 1, device=input_ids.device)
+    mine = positions[(positions >= start) & (positions < start + size)]
+    # the bounds as ints: FSDP moves tensor inputs to the GPU, where reading them in every layer would sync
+    bounds = tuple(packing_kwargs(row_pos)["cu_seq_lens_q"].tolist())
+    return Chunk(row_ids[:, start:start + size], row_pos[:, start:start + size], row_ids, mine, mine - start,
+                 {"cp_group": group, "row_bounds": bounds}, start)
+
+
+def chunk_rows(rows: Tensor, group: dist.ProcessGroup, fill: float) -> Tensor:
+    """This rank's chunk of per-token rows ``[N, ...]`` (e.g. recorded expert routes), padded like `split_row`."""
+    cp, n = dist.get_world_size(group), rows.shape[0]
+    size = -(-n // cp)
+    padded = torch.cat([rows, rows.new_full((size * cp - n, *rows.shape[1:]), fill)])
+    return padded[dist.get_rank(group) * size:][:size]
+
+
+class SumOverChunks(torch.autograd.Function):
+    """Forward: the sum of the cp ranks' ``[cp L]`` rows, each zero outside its own chunk. Backward: the
+    gradient unchanged. Every cp rank computes the same loss from the sum, so the gradient for its own
+    part is that loss's gradient; an all-reduce backward would count it cp times."""
+
+    @staticmethod
+    def forward(ctx: Any, part: Tensor, group: dist.ProcessGroup) -> Tensor:
+        whole = part.clone()
+        dist.all_reduce(whole, group=group)
+        return whole
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def sum_over_chunks(part: Tensor, group: dist.ProcessGroup) -> Tensor:
+    return SumOverChunks.apply(part, group)
