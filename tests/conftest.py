@@ -4,6 +4,8 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: 2 cores are shared
 
+import json
+
 import pytest
 import torch
 
@@ -19,6 +21,21 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_heads4_dir(tmp_path_factory):
+    """A dense tiny Qwen3 with 4 attention heads and 2 key/value heads: both split over 2 tp or cp ranks."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_heads4"), TinySpec(heads=4, kv_heads=2))
+
+
+@pytest.fixture(scope="session")
 def tiny_moe_dir(tmp_path_factory):
     """A tiny Qwen3-MoE: 4 experts, top-2, every layer sparse."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_moe"), TinySpec(moe=True))
+
+
+@pytest.fixture(scope="session")
+def prompts(tmp_path_factory):
+    """40 arithmetic prompts with labels, for end-to-end runs (JSONL path)."""
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"What is {i}*7+3?", "label": str(i * 7 + 3)}) + "\n"
+                            for i in range(40)))
+    return str(path)

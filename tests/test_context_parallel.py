@@ -8,9 +8,9 @@ from functools import partial
 
 import pytest
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from layouts import TOL, advantages, full_state, make_sample, rl_config
 
-from instar.config import ActorConfig, CriticConfig, FSDPConfig, RLConfig, TrainConfig
+from instar.config import ActorConfig, CriticConfig, FSDPConfig, TrainConfig
 from instar.contract import Sample
 from instar.data.tiny_model import TinySpec, build_tiny_model
 from instar.runtime.batching import critic_loss, rl_loss
@@ -21,20 +21,10 @@ from instar.train.worker import TrainWorker
 
 LENGTHS = [7, 12, 5, 9, 3, 10, 4, 9]
 MAX_TOKENS = 24  # rows of 22, 23 and 14 tokens
-RL = RLConfig()
-RL.algo.advantage.is_correction_level, RL.algo.advantage.is_correction_mode = "token", "trunc"
+RL = rl_config()
 RL.actor.loss_mode, RL.actor.entropy_coef = "gspo", 0.01  # sequence ratios need whole sequences; entropy a gradient
-TOL = {"rtol": 1e-4, "atol": 1e-5}  # float32 sums in another order (attention over other head groups, all-reduces)
-
-
-def make_sample(n: int, seed: int) -> Sample:
-    ids = torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-    mask = [0] * (n // 2) + [1] * (n - n // 2)
-    return Sample(ids, mask, [-1.0 if m else 0.0 for m in mask], [0 if m else -1 for m in mask])
-
-
 SAMPLES = [make_sample(n, i) for i, n in enumerate(LENGTHS)]
-ADVANTAGES = [torch.full((n,), 1.0 if i % 2 else -1.0) for i, n in enumerate(LENGTHS)]
+ADVANTAGES = advantages(LENGTHS)
 RETURNS = [torch.linspace(-1, 1, n) for n in LENGTHS]
 UPDATES = [[0, 1, 2, 3], [4, 5, 6, 7]]  # the second update's ratios compare against the policy before the first
 
@@ -48,7 +38,7 @@ def _job(rank, world, port, model_dir, cp, tp, recompute=False):
         w.train_policy(SAMPLES, partial(rl_loss, RL, 0.0), StepInputs(advantages=ADVANTAGES), updates=UPDATES).metrics
         for _ in range(3)]}
     out["logprobs"] = w.compute_logprobs(SAMPLES)
-    out["state"] = get_model_state_dict(w.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out["state"] = full_state(w)
     out["critic"] = [w.train_critic(SAMPLES, partial(critic_loss, RL), StepInputs(
         old_values=w.compute_values(SAMPLES), returns=RETURNS)).metrics for _ in range(2)]
     out["values"] = w.compute_values(SAMPLES)
@@ -58,9 +48,8 @@ def _job(rank, world, port, model_dir, cp, tp, recompute=False):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """Dense tiny Qwen3 with 4 heads and 2 key/value heads: both divide by cp=2."""
-    return build_tiny_model(tmp_path_factory.mktemp("cp_model"), TinySpec(heads=4, kv_heads=2))
+def model_dir(tiny_heads4_dir):
+    return tiny_heads4_dir
 
 
 @pytest.fixture(scope="module")

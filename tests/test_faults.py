@@ -2,7 +2,6 @@
 again and a restarted engine gets the policy's weights before it serves, so the run finishes; a dead
 trainer rank stops the run at once, naming the rank and the checkpoint to resume from."""
 
-import json
 import threading
 import time
 
@@ -15,14 +14,6 @@ from instar.loop import run
 from instar.runtime.cluster import Cluster
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"What is {i}*7+3?", "label": str(i * 7 + 3)}) + "\n"
-                            for i in range(40)))
-    return str(path)
 
 
 @pytest.fixture

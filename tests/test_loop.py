@@ -21,14 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"What is {i}*7+3?", "label": str(i * 7 + 3)}) + "\n"
-                            for i in range(40)))
-    return str(path)
-
-
 def make_cfg(tmp_path, model, prompts, **changes) -> RLConfig:
     cfg = RLConfig()
     cfg.actor.model_name_or_path = str(model)
