@@ -109,7 +109,8 @@ def test_help_lists_every_flag_with_its_doc():
     ({"train.batch_size": 24}, "must divide the rollout batch of 64 samples"),  # 8 prompts x 8 samples
     ({"train.batch_size": 1, "fsdp.num_ranks": 2}, r"use one of [2, 4, 8, 16, 32, 64]"),
     ({"train.max_epochs": 0}, "--train.max_epochs must be >= 1"),
-    ({"fsdp.tp_size": 2}, "Set --fsdp.tp_size 1"),
+    ({"fsdp.tp_size": 2}, "--fsdp.num_ranks 1 must be a multiple of --fsdp.tp_size x --fsdp.cp_size = 2"),
+    ({"fsdp.num_ranks": 2, "fsdp.ep_size": 4}, "--fsdp.ep_size 4 must divide the data-parallel ranks"),
     ({"rollout.engine": "embedded", "engine.tensor_parallel_size": 2}, "set --engine.tensor_parallel_size 1"),
 ])
 def test_incompatible_combinations_name_the_fix(changes, fragment):
