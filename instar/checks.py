@@ -65,9 +65,6 @@ def _check_batches(cfg: RLConfig) -> None:
     check_layout(fsdp)
 
 
-BUILT = {"tp_size": True, "ep_size": True, "cp_size": True}  # which parallel dimensions exist so far
-
-
 def check_layout(fsdp: FSDPConfig, model: Any = None) -> None:
     """The trainer's mesh: --fsdp.num_ranks = data x cp x tp ranks, experts split over ep of the data
     ranks. With ``model`` (an HF config) also that heads and experts divide."""
@@ -76,8 +73,6 @@ def check_layout(fsdp: FSDPConfig, model: Any = None) -> None:
         size = getattr(fsdp, name)
         if size < 1:
             raise ConfigError(f"--fsdp.{name} must be >= 1, got {size}")
-        if size > 1 and not BUILT[name]:
-            raise ConfigError(f"--fsdp.{name} {size}: this parallel dimension is not built yet. Set --fsdp.{name} 1")
     if n % (tp * cp):
         raise ConfigError(f"--fsdp.num_ranks {n} must be a multiple of --fsdp.tp_size x --fsdp.cp_size = {tp * cp}; "
                           f"use --fsdp.num_ranks {tp * cp * max(1, n // (tp * cp))}")
@@ -87,10 +82,12 @@ def check_layout(fsdp: FSDPConfig, model: Any = None) -> None:
     if model is None:
         return
     heads, kv = model.num_attention_heads, model.num_key_value_heads
-    for size, flag in ((tp, "tp_size"), (cp, "cp_size")):
-        if heads % size or kv % size:
-            raise ConfigError(f"--fsdp.{flag} {size} must divide the model's attention heads ({heads}) and "
-                              f"key/value heads ({kv}); use a divisor of {math.gcd(heads, kv)}")
+    if heads % tp or kv % tp:
+        raise ConfigError(f"--fsdp.tp_size {tp} must divide the model's attention heads ({heads}) and "
+                          f"key/value heads ({kv}); use a divisor of {math.gcd(heads, kv)}")
+    if (heads // tp) % cp:  # key/value heads that do not divide are repeated (train/context_parallel.py)
+        raise ConfigError(f"--fsdp.cp_size {cp} must divide the {heads // tp} attention heads of each tp rank "
+                          f"({heads} heads / --fsdp.tp_size {tp}); use a divisor of {heads // tp}")
     experts = getattr(model, "num_experts", None)
     if ep > 1 and (not experts or experts % ep):
         raise ConfigError(f"--fsdp.ep_size {ep} must divide the model's experts ({experts or 'none: a dense model'}); "

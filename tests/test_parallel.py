@@ -33,6 +33,7 @@ def test_tensor_parallel_equals_one_rank(model_dir, one_rank, tmp_path, world, f
     (FSDPConfig(num_ranks=3, tp_size=2), None, "must be a multiple of --fsdp.tp_size x --fsdp.cp_size = 2"),
     (FSDPConfig(num_ranks=2, tp_size=2), (4, 1), "must divide the model's attention heads (4) and key/value heads (1)"),
     (FSDPConfig(num_ranks=2, tp_size=0), None, "--fsdp.tp_size must be >= 1"),
+    (FSDPConfig(num_ranks=4, tp_size=2, cp_size=2), (2, 2), "--fsdp.cp_size 2 must divide the 1 attention heads"),
 ])
 def test_impossible_layouts_name_the_fix(fsdp, heads, fragment):
     model = None if heads is None else type("Config", (), {"num_attention_heads": heads[0],
@@ -49,3 +50,8 @@ def test_rl_runs_two_steps_with_tensor_parallel_ranks(tmp_path, model_dir):
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(abs(m["actor/vllm_kl"]) < 1e-3 for m in metrics)  # step 2 samples with the synced weights
     assert metrics[0]["actor/grad_norm"] > 0 and (tmp_path / "run/hf/model.safetensors").exists()
+
+
+def test_context_parallel_repeats_key_value_heads_that_do_not_divide():
+    model = type("Config", (), {"num_attention_heads": 4, "num_key_value_heads": 1})()
+    check_layout(FSDPConfig(num_ranks=2, cp_size=2), model)  # 1 key/value head: each cp rank gets a copy
