@@ -18,7 +18,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from instar.train.launch import free_port, run_ranks
 from instar.train.load import ReadStats, Source, local_index, materialize, meta_model
-from instar.train.model import ValueModel, decoder_layers, load_model, load_value_model
+from instar.train.model import ValueModel, attention_for, decoder_layers, load_model
 
 IDS = torch.tensor([[5, 77, 301, 9, 42, 260, 17, 3, 99, 400, 12, 8]])
 POS = torch.arange(12)[None]
@@ -29,7 +29,13 @@ def _build(path: str, critic: bool, dtype: str = "float32") -> torch.nn.Module:
 
 
 def _reference(path: str, critic: bool, dtype: str = "float32") -> torch.nn.Module:
-    return load_value_model(path, dtype) if critic else load_model(path, dtype)
+    """The model as transformers' from_pretrained loads it whole (the critic: its trunk plus a value head)."""
+    if not critic:
+        return load_model(path, dtype)
+    from transformers import AutoModel
+    trunk = AutoModel.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=attention_for(path))
+    trunk.config.use_cache = False
+    return ValueModel(trunk).train()
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

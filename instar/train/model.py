@@ -127,13 +127,6 @@ class ValueModel(nn.Module):
         return self.value_head(hidden).float().sum(-1)  # not squeeze: FSDP warns on a view as module output
 
 
-def load_value_model(path: str, dtype: str = "float32", attn: str = "auto") -> ValueModel:
-    from transformers import AutoModel
-    trunk = AutoModel.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attention_for(path, attn))
-    trunk.config.use_cache = False
-    return ValueModel(trunk).train()
-
-
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of any HF model (the classes it names in ``_no_split_modules``), in
     order: the unit that FSDP shards and activation checkpointing recomputes."""

@@ -51,11 +51,17 @@ class Layout:
 
     mesh: DeviceMesh  # ("dp", "ep", "cp", "tp")
 
+    def __post_init__(self) -> None:
+        # read once: the worker asks for these in every micro-batch, and slicing a mesh is not free
+        names = self.mesh.mesh_dim_names
+        self._sizes = dict(zip(names, self.mesh.shape))
+        self._ranks = dict(zip(names, self.mesh.get_coordinate()))
+
     def size(self, dim: str) -> int:
-        return self.mesh[dim].size()
+        return self._sizes[dim]
 
     def rank(self, dim: str) -> int:
-        return self.mesh[dim].get_local_rank()
+        return self._ranks[dim]
 
     @property
     def data_size(self) -> int:
