@@ -126,22 +126,32 @@ def perturbed(model, scale=0.05):
     return new
 
 
+async def swap_mid_turn(engine, mode, new_model, prompt, while_paused=None):
+    """A greedy 12-token turn, paused in ``mode`` once 4 tokens are sampled, ``new_model`` loaded as version
+    1, resumed: (tokens the request held just after the pause, the generation)."""
+    task = asyncio.create_task(engine.generate(prompt, SamplingParams(temperature=0, max_tokens=12)))
+    while not engine._running or engine._running[0].num_sampled < 4:
+        await asyncio.sleep(0)
+    await engine.pause(mode)
+    at_pause = engine._running[0].num_sampled
+    if while_paused is not None:
+        await while_paused()
+    await engine.update_weights(new_model.named_parameters(), version=1)  # tied: no lm_head.weight
+    await engine.resume()
+    return at_pause, await task
+
+
 def test_weight_update_during_keep_pause(dense):
     new_model = perturbed(dense)
-    prompt, params = PROMPTS[2], SamplingParams(temperature=0, max_tokens=12)
+    prompt = PROMPTS[2]
 
     async def body(engine):
-        task = asyncio.create_task(engine.generate(prompt, params))
-        while not engine._running or engine._running[0].num_sampled < 4:
-            await asyncio.sleep(0)
-        await engine.pause("keep")
-        before = engine._running[0].num_sampled
-        for _ in range(5):  # frozen: no progress while paused
-            await asyncio.sleep(0)
-        assert engine._running[0].num_sampled == before
-        await engine.update_weights(new_model.named_parameters(), version=1)  # tied: no lm_head.weight
-        await engine.resume()
-        return before, await task
+        async def frozen():  # no progress while paused
+            before = engine._running[0].num_sampled
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert engine._running[0].num_sampled == before
+        return await swap_mid_turn(engine, "keep", new_model, prompt, frozen)
 
     before, gen = run_engine(dense, body)
     assert gen.versions == [0] * before + [1] * (12 - before)
@@ -156,17 +166,10 @@ def test_weight_update_during_keep_pause(dense):
 
 def test_weight_update_during_restart_pause_resamples_the_whole_turn(dense):
     new_model = perturbed(dense)
-    prompt, params = PROMPTS[2], SamplingParams(temperature=0, max_tokens=12)
+    prompt = PROMPTS[2]
 
     async def body(engine):
-        task = asyncio.create_task(engine.generate(prompt, params))
-        while not engine._running or engine._running[0].num_sampled < 4:
-            await asyncio.sleep(0)
-        await engine.pause("restart")
-        dropped = engine._running[0].num_sampled
-        await engine.update_weights(new_model.named_parameters(), version=1)
-        await engine.resume()
-        return dropped, await task
+        return await swap_mid_turn(engine, "restart", new_model, prompt)
 
     dropped, gen = run_engine(dense, body)
     assert dropped == 0  # what it had sampled under version 0 is gone
