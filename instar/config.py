@@ -245,6 +245,10 @@ class TrainConfig:
     """Passes over each rollout batch's mini-batches (reshuffled every pass)."""
     max_tokens_per_gpu: int = 16384
     """Token budget of one trainer micro-batch (packed, no padding)."""
+    share_prefix: bool = True
+    """Lay each micro-batch out as a prefix tree: the prompt a group's samples share (and any longer common
+    start) is computed once, not once per sample; same results. Needs packed attention (the CPU default, and
+    inside context parallelism); with another --fsdp.attn_implementation every sample is computed in full."""
     max_barren_batches: int = 10
     """Stop the run after this many rollout batches in a row leave nothing to train on (every rollout
     dropped, or every group rejected by --algo.dynamic_filter); each one is logged with its reason."""

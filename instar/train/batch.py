@@ -1,10 +1,13 @@
 """Micro-batches under a token budget, with no padding in the forward pass.
 
 Samples are bin-packed (first-fit decreasing by length) into rows of at most ``max_tokens`` tokens;
-one row is one forward pass, its sequences kept apart by ``position_ids`` that restart at 0. The
-loss functions see the usual right-padded ``[B, T]`` tensors: ``MicroBatch.unpack`` scatters the
-row's per-position results back to ``[B, T]``, aligned with ``token_ids`` (index t holds the value
-for token t, predicted at position t-1; index 0 and padding hold 0).
+one row is one forward pass. In a plain row the sequences follow each other, kept apart by
+``position_ids`` that restart at 0. A shared row (`row_layout`) is a prefix tree: the prompt that a
+group's samples share, and any longer common start, is in the row once, as a segment that the
+segments continuing it attend to (`instar.train.model.Segments`), so a group of 8 computes its prompt
+once, not 8 times. The loss functions see the usual right-padded ``[B, T]`` tensors either way:
+``MicroBatch.gather`` names the row position that predicts each token (index t holds the value for
+token t, predicted at the position of token t-1; index 0 and padding hold 0).
 """
 
 from __future__ import annotations
@@ -15,6 +18,11 @@ import torch
 from torch import Tensor
 
 from instar.contract import Sample
+from instar.train.model import Segments
+
+MIN_SHARED = 8
+"""Tokens a common start must have to be its own shared segment: a shorter one is cheaper to repeat
+in each continuation than to attend to as one more segment."""
 
 
 @dataclass
@@ -57,8 +65,14 @@ class MicroBatch:
     valid: Tensor  # [B, T] bool: 1 <= t < length of sample b
     inputs: LossInputs
     indices: list[int]  # each row sample's index in the caller's list (see `collate`'s names)
+    segments: Segments  # the row's segments and what each attends to
     routed_experts: Tensor | None = None  # [N, moe_layers, top_k] for routing replay, when every sample has it
-    action_positions: Tensor | None = None  # [M] row positions whose next token is an action token
+
+    @property
+    def attention_kwargs(self) -> dict | None:
+        """What attention needs beyond ``position_ids``: None for a plain row (its bounds are where the
+        positions restart), the segments for a shared one."""
+        return self.segments.kwargs() if self.segments.shared else None
 
     @property
     def num_tokens(self) -> int:
@@ -113,17 +127,95 @@ def shard_samples(lengths: list[int], world_size: int) -> list[list[int]]:
     return [sorted(s) for s in shards]
 
 
+@dataclass
+class RowLayout:
+    """Where the tokens of a row's sequences are: ``place[b][t]`` is the row position of token t of
+    sequence b; the row holds ``tokens`` at ``positions`` (their index in their sequence), in
+    ``segments``; segment k's tokens are ``sources[k] = (b, start, end)``: tokens start..end of sequence b."""
+
+    tokens: list[int]
+    positions: list[int]
+    place: list[list[int]]
+    segments: Segments
+    sources: list[tuple[int, int, int]]
+
+
+def row_layout(seqs: list[list[int]], share: bool = True, min_shared: int = MIN_SHARED,
+               keys: list[list] | None = None) -> RowLayout:
+    """The row for ``seqs``: one after the other, or (``share``) as a prefix tree whose shared starts of
+    at least ``min_shared`` tokens are in the row once. ``keys`` (default ``seqs``): what must be equal,
+    token by token, for a start to be shared. Deterministic for the same sequences."""
+    tokens: list[int] = []
+    positions: list[int] = []
+    place: list[list[int]] = [[] for _ in seqs]
+    bounds: list[int] = []
+    context: list[tuple[int, ...]] = []
+    sources: list[tuple[int, int, int]] = []
+
+    def add(members: list[int], start: int, end: int, ctx: tuple[int, ...]) -> tuple[int, ...]:
+        """Tokens start..end of ``members[0]`` (all of ``members`` have them) as a segment attending to ``ctx``."""
+        if end <= start:
+            return ctx
+        first = len(tokens)
+        bounds.append(first)
+        context.append(ctx)
+        sources.append((members[0], start, end))
+        tokens.extend(seqs[members[0]][start:end])
+        positions.extend(range(start, end))
+        for b in members:
+            place[b].extend(range(first, first + end - start))
+        return (*ctx, len(bounds) - 1)
+
+    if not share:
+        for b, seq in enumerate(seqs):
+            add([b], 0, len(seq), ())
+    else:  # lexicographic order: sequences with a common start are neighbours, their common start the min LCP
+        keys = seqs if keys is None else keys
+        order = sorted(range(len(seqs)), key=lambda b: keys[b])
+        common = [_common_start(keys[x], keys[y]) for x, y in zip(order, order[1:])]
+
+        def grow(a: int, z: int, done: int, ctx: tuple[int, ...]) -> None:
+            """Sequences ``order[a:z]`` whose first ``done`` tokens are in the segments ``ctx``."""
+            if z - a == 1:
+                add([order[a]], done, len(seqs[order[a]]), ctx)
+                return
+            depth = min(common[a:z - 1])
+            if depth - done >= min_shared:  # else each continuation repeats tokens done..depth itself
+                ctx, done = add(order[a:z], done, depth, ctx), depth
+            start = a  # split where neighbours part at `depth`: each part shares more than `depth`
+            for k in range(a, z):
+                if k == z - 1 or common[k] == depth:
+                    grow(start, k + 1, done, ctx)
+                    start = k + 1
+        grow(0, len(seqs), 0, ())
+    return RowLayout(tokens, positions, place, Segments((*bounds, len(tokens)), tuple(context)), sources)
+
+
+def _common_start(x: list[int], y: list[int]) -> int:
+    n = 0
+    for a, b in zip(x, y):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
 def collate(samples: list[Sample], indices: list[int], step: StepInputs | None = None,
-            device: str = "cpu", names: list[int] | None = None) -> MicroBatch:
+            device: str = "cpu", names: list[int] | None = None, share: bool = False) -> MicroBatch:
     """One packed row of ``samples[indices]`` plus their ``[B, T]`` loss inputs. ``names[i]`` is sample
-    i's index in the lists of ``step`` and in ``MicroBatch.indices`` (default: ``i``)."""
+    i's index in the lists of ``step`` and in ``MicroBatch.indices`` (default: ``i``). ``share``: lay
+    the row out as a prefix tree (`row_layout`); only attention that reads `Segments` can run it."""
     names = [names[i] for i in indices] if names is not None else list(indices)
     rows = [samples[i] for i in indices]
     lengths = [len(s.token_ids) for s in rows]
     T = max(lengths)
-    offsets = torch.tensor([0] + lengths[:-1]).cumsum(0)
     t = torch.arange(T)
     lengths_t = torch.tensor(lengths)
+    recorded = all(s.routed_experts is not None for s in rows)
+    keys = [_with_routes(s) for s in rows] if share and recorded else None  # replayed routes must agree too
+    layout = row_layout([s.token_ids for s in rows], share, keys=keys)
+    # the position predicting token t is that of token t-1 (t >= 1); padding points at position 0
+    gather = right_pad([torch.tensor([0] + p[:-1]) for p in layout.place], T)
     mask = right_pad([torch.tensor(s.action_mask, dtype=torch.bool) for s in rows], T)
     given = {f.name: right_pad([values[i] for i in names], T).to(device)
              for f in fields(StepInputs) if step is not None and (values := getattr(step, f.name)) is not None}
@@ -134,19 +226,25 @@ def collate(samples: list[Sample], indices: list[int], step: StepInputs | None =
                                    T).to(device),
         versions=right_pad([torch.tensor(s.versions) for s in rows], T).to(device),
         lengths=lengths_t.to(device), **given)
-    action_positions = (offsets[:, None] + t[None] - 1)[mask & (t[None] >= 1)]
-    recorded = all(s.routed_experts is not None for s in rows)
-    routes = torch.cat([s.routed_experts for s in rows]).to(device) if recorded else None
+    # a shared token's routes are those of the sequence it was taken from (with replay all sharers' agree)
+    routes = torch.cat([rows[b].routed_experts[a:z] for b, a, z in layout.sources]).to(device) if recorded else None
     return MicroBatch(
-        input_ids=torch.cat([torch.tensor(s.token_ids) for s in rows])[None].to(device),
-        position_ids=torch.cat([torch.arange(n) for n in lengths])[None].to(device),
-        gather=(offsets[:, None] + t[None] - 1).clamp(0, sum(lengths) - 1).to(device),
+        input_ids=torch.tensor(layout.tokens)[None].to(device),
+        position_ids=torch.tensor(layout.positions)[None].to(device),
+        gather=gather.to(device),
         valid=((t[None] >= 1) & (t[None] < lengths_t[:, None])).to(device),
         inputs=inputs,
         indices=names,
+        segments=layout.segments,
         routed_experts=routes,
-        action_positions=action_positions.to(device),
     )
+
+
+def _with_routes(s: Sample) -> list[tuple[int, int]]:
+    """Per token, (token id, a random linear hash of its recorded routes)."""
+    routes = s.routed_experts.reshape(len(s.token_ids), -1).long()
+    weights = torch.randint(1, 2**31, (routes.shape[1],), generator=torch.Generator().manual_seed(0))
+    return list(zip(s.token_ids, (routes * weights).sum(1).tolist()))
 
 
 def right_pad(seqs: list[Tensor], length: int | None = None) -> Tensor:

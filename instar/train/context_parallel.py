@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
-from instar.train.model import packed_attention, packing_kwargs
+from instar.train.model import Segments, packed_attention
 
 ULYSSES = "instar_ulysses"
 
@@ -43,10 +43,9 @@ def apply_context_parallel(model: nn.Module, cp: int, tp: int, choice: str) -> N
 
 
 def ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                      cp_group: dist.ProcessGroup, row_bounds: tuple[int, ...], **kwargs: Any) -> tuple[Tensor, None]:
+                      cp_group: dist.ProcessGroup, row_segments: Segments, **kwargs: Any) -> tuple[Tensor, None]:
     """`packed_attention` for this rank's chunk ``[1, heads, L, d]``: all-to-all to the whole row
-    ``[1, heads / cp, cp L, d]``, attend within its sequences (``row_bounds``: their starts and the row's
-    length), and back to ``[1, L, heads, d]``."""
+    ``[1, heads / cp, cp L, d]``, attend within its segments (``row_segments``), and back to ``[1, L, heads, d]``."""
     cp = dist.get_world_size(cp_group)
     if key.shape[1] % cp:  # e.g. one key/value head per tp rank: give each query head its own copy
         key, value = (t.repeat_interleave(query.shape[1] // key.shape[1], dim=1) for t in (key, value))
@@ -57,7 +56,7 @@ def ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         return t.transpose(0, 1).reshape(1, h // cp, cp * n, d)
 
     out, _ = packed_attention(module, to_row(query), to_row(key), to_row(value), attention_mask,
-                              cu_seq_lens_q=torch.tensor(row_bounds), **kwargs)
+                              instar_segments=row_segments, **kwargs)
     _, n, h, d = out.shape  # the row [1, cp L, heads / cp, d]: send chunk j to rank j
     out = funcol.all_to_all_single(out.reshape(cp, n // cp, h, d).contiguous(), None, None, cp_group)
     return out.transpose(0, 1).reshape(1, n // cp, cp * h, d), None
@@ -65,39 +64,41 @@ def ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
 
 @dataclass
 class Chunk:
-    """This cp rank's part of a packed row, padded to a multiple of cp by one dummy sequence at its end."""
+    """This cp rank's part of a packed row, padded to a multiple of cp by one dummy segment at its end."""
 
     input_ids: Tensor  # [1, L] the chunk
     position_ids: Tensor  # [1, L]
-    row_ids: Tensor  # [1, cp L] the padded row: the next token of the chunk's last position is in the next chunk
-    positions: Tensor  # [M] row positions whose next-token values this rank computes
-    local: Tensor  # [M] the same positions within the chunk
-    attention: dict[str, Any]  # the cp group and the row's sequence bounds, for `ulysses_attention`
+    mine: Tensor  # [M] bool: which of the wanted row positions are in this chunk
+    local: Tensor  # [M'] those positions within the chunk
+    attention: dict[str, Any]  # the cp group and the row's segments, for `ulysses_attention`
     start: int
+    row_length: int  # of the padded row
 
     def spread(self, values: Tensor) -> Tensor:
+        """Values for this chunk's wanted positions ``[M']`` at their place among all ``[M]`` (zeros elsewhere)."""
+        return torch.zeros(self.mine.shape, dtype=values.dtype, device=values.device).masked_scatter(self.mine, values)
+
+    def spread_row(self, values: Tensor) -> Tensor:
         """The chunk's ``[L]`` per-position values at their place in an ``[cp L]`` row of zeros."""
-        return torch.nn.functional.pad(values, (self.start, self.row_ids.shape[1] - self.start - values.shape[0]))
+        return torch.nn.functional.pad(values, (self.start, self.row_length - self.start - values.shape[0]))
 
 
-def split_row(input_ids: Tensor, position_ids: Tensor, group: dist.ProcessGroup,
+def split_row(input_ids: Tensor, position_ids: Tensor, segments: Segments, group: dist.ProcessGroup,
               positions: Tensor | None = None) -> Chunk:
-    """This rank's chunk of the row ``[1, N]``; ``positions``: the row positions whose next-token values
-    are wanted (default: all but the last)."""
+    """This rank's chunk of the row ``[1, N]`` laid out in ``segments``; ``positions``: the row positions
+    (repeats allowed) whose logits are wanted."""
     cp, n = dist.get_world_size(group), input_ids.shape[1]
     pad = -n % cp
-    # the padding is a sequence of its own (positions restart at 0): nothing real attends to it
+    # the padding is a segment of its own (positions restart at 0): nothing real attends to it
     row_ids = torch.nn.functional.pad(input_ids, (0, pad))
     row_pos = torch.cat([position_ids, torch.arange(pad, device=position_ids.device)[None]], dim=1)
     size = (n + pad) // cp
     start = dist.get_rank(group) * size
     if positions is None:
-        positions = torch.arange(n - 1, device=input_ids.device)
-    mine = positions[(positions >= start) & (positions < start + size)]
-    # the bounds as ints: FSDP moves tensor inputs to the GPU, where reading them in every layer would sync
-    bounds = tuple(packing_kwargs(row_pos)["cu_seq_lens_q"].tolist())
-    return Chunk(row_ids[:, start:start + size], row_pos[:, start:start + size], row_ids, mine, mine - start,
-                 {"cp_group": group, "row_bounds": bounds}, start)
+        positions = torch.arange(n, device=input_ids.device)
+    mine = (positions >= start) & (positions < start + size)
+    return Chunk(row_ids[:, start:start + size], row_pos[:, start:start + size], mine, positions[mine] - start,
+                 {"cp_group": group, "row_segments": segments.padded(n + pad)}, start, n + pad)
 
 
 def chunk_rows(rows: Tensor, group: dist.ProcessGroup, fill: float) -> Tensor:

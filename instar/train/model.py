@@ -5,6 +5,7 @@ critic, and per-token logprobs of packed micro-batches. Nothing here knows about
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,9 +17,36 @@ PACKED = "instar_packed"
 CHUNK_TOKENS = 512  # rows of the float32 softmax at a time: at 152k vocab 0.3 GB a tensor, two at a time
 
 
+@dataclass(frozen=True)
+class Segments:
+    """A packed row as segments of consecutive tokens: ``bounds`` are their starts plus the row's length;
+    ``context[k]`` names the earlier segments that segment k's tokens see whole before seeing their own
+    causally. A plain row has no context: each sequence is a segment. In a shared row (a prefix tree) a
+    group's prompt is one segment and each continuation sees it as context. Hashable: index tensors
+    built from it are cached."""
+
+    bounds: tuple[int, ...]
+    context: tuple[tuple[int, ...], ...]
+
+    @property
+    def shared(self) -> bool:
+        return any(self.context)
+
+    def kwargs(self) -> dict[str, Any]:
+        """The attention keyword argument that carries it through the model to `packed_attention`."""
+        return {"instar_segments": self}
+
+    def padded(self, n: int) -> Segments:
+        """The row extended to ``n`` tokens by one more segment (padding no real token sees)."""
+        if n == self.bounds[-1]:
+            return self
+        return Segments((*self.bounds, n), (*self.context, ()))
+
+
 def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                     cu_seq_lens_q: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                     cu_seq_lens_q: torch.Tensor | None = None, instar_segments: Segments | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Causal attention within each sequence of a packed row ``[1, heads, N, head_dim]``.
 
     Why: for packed rows transformers builds a dense block-diagonal mask, so attention costs the
@@ -26,14 +54,21 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     sequences (bounds in ``cu_seq_lens_q``: starts plus the row length, the name transformers'
     flash-attention varlen path also reads) are laid out right-padded as one ``[B, heads, T, d]``
     batch for one causal SDPA call: a real query never sees the padding after it. When padding would
-    more than double the work (lengths far apart), one causal call per sequence instead.
+    more than double the work (lengths far apart), one causal call per sequence instead. A shared row
+    (``instar_segments`` with context) goes to `_shared_attention`.
     """
     if kwargs.get("sliding_window"):
         raise NotImplementedError("packed attention has no sliding window (load_model picks sdpa for such models)")
-    bounds = (0, query.shape[2]) if cu_seq_lens_q is None else tuple(cu_seq_lens_q.tolist())
-    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
-    kw = {"is_causal": True, "dropout_p": dropout if module.training else 0.0, "scale": scaling,
+    kw = {"dropout_p": dropout if module.training else 0.0, "scale": scaling,
           "enable_gqa": query.shape[1] != key.shape[1]}
+    if instar_segments is not None and instar_segments.shared:
+        return _shared_attention(query, key, value, instar_segments, kw), None
+    if instar_segments is not None:
+        bounds = instar_segments.bounds
+    else:
+        bounds = (0, query.shape[2]) if cu_seq_lens_q is None else tuple(cu_seq_lens_q.tolist())
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    kw["is_causal"] = True
     if len(lengths) > 1 and len(lengths) * max(lengths) ** 2 <= 2 * sum(n * n for n in lengths):
         index, valid = _padding_index(bounds)
         out = F.scaled_dot_product_attention(*(t[0][:, index].transpose(0, 1) for t in (query, key, value)), **kw)
@@ -51,6 +86,51 @@ def _padding_index(bounds: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]
     t = torch.arange(int(lengths.max()))
     valid = t[None] < lengths[:, None]
     return torch.where(valid, starts[:, None] + t[None], 0), valid
+
+
+def _shared_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Segments,
+                      kw: dict[str, Any]) -> torch.Tensor:
+    """`packed_attention` of a prefix-tree row: each segment's queries see its context segments whole and
+    its own keys causally. The segments are laid out as one right-padded ``[S, heads, Tq, d]`` batch of
+    queries against ``[S, heads, Tk, d]`` keys (context, then own) under one mask; a context's keys are
+    gathered into every segment that sees it, so their gradients sum over those segments. When padding
+    would more than double the work, one call per segment instead."""
+    plan = _shared_plan(segments)
+    if isinstance(plan, list):
+        parts = [F.scaled_dot_product_attention(query[:, :, a:z], *(t[:, :, keys] for t in (key, value)),
+                                                attn_mask=mask.to(query.device), **kw)
+                 for a, z, keys, mask in plan]
+        return torch.cat(parts, dim=2).transpose(1, 2)
+    q_index, k_index, mask, valid = (t.to(query.device) for t in plan)
+    out = F.scaled_dot_product_attention(*(t[0][:, i].transpose(0, 1) for t, i in
+                                           ((query, q_index), (key, k_index), (value, k_index))), attn_mask=mask, **kw)
+    return out.transpose(1, 2)[valid][None]  # [S, Tq, heads, d] -> the row's [1, N, heads, d]
+
+
+@functools.lru_cache(maxsize=4)  # every layer of a forward (and its recompute) asks for the same row
+def _shared_plan(segments: Segments) -> tuple[torch.Tensor, ...] | list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """For `_shared_attention`: ``[S, Tq]`` query positions, ``[S, Tk]`` key positions (context first), the
+    ``[S, 1, Tq, Tk]`` mask and the ``[S, Tq]`` mask of real queries (padding points at position 0; its
+    outputs are dropped). Or, per segment, its bounds, key positions and ``[Tq, Tk]`` mask."""
+    b = segments.bounds
+    own = [list(range(b[k], b[k + 1])) for k in range(len(b) - 1)]
+    seen = [[p for c in ctx for p in own[c]] for ctx in segments.context]
+    tq, tk = max(map(len, own)), max(len(s) + len(o) for s, o in zip(seen, own))
+    causal = torch.ones(tq, tk, dtype=torch.bool).tril()  # own keys: query i sees own keys 0..i
+    if len(own) * tq * tk > 2 * sum(len(o) * (len(s) + len(o)) for s, o in zip(seen, own)):
+        return [(o[0], o[-1] + 1, torch.tensor(s + o), torch.cat([torch.ones(len(o), len(s), dtype=torch.bool),
+                                                                  causal[:len(o), :len(o)]], 1))
+                for s, o in zip(seen, own)]
+    q_index = torch.zeros(len(own), tq, dtype=torch.long)
+    k_index = torch.zeros(len(own), tk, dtype=torch.long)
+    mask = torch.zeros(len(own), 1, tq, tk, dtype=torch.bool)
+    for k, (s, o) in enumerate(zip(seen, own)):
+        q_index[k, :len(o)] = torch.tensor(o)
+        k_index[k, :len(s) + len(o)] = torch.tensor(s + o)
+        mask[k, 0, :, :len(s)] = True
+        mask[k, 0, :, len(s):] = causal[:, :tk - len(s)]  # padded queries see what the real ones before them see
+    valid = torch.arange(tq)[None] < torch.tensor([len(o) for o in own])[:, None]
+    return q_index, k_index, mask, valid
 
 
 def attention_for(path: str, choice: str = "auto") -> str:
@@ -186,20 +266,27 @@ def _bounds_for(model: nn.Module, position_ids: torch.Tensor) -> dict[str, Any]:
 def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
                         with_entropy: bool = True, positions: torch.Tensor | None = None,
                         chunk_tokens: int = CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per position t of the row: logprob of token t+1 under the logits at t (and the entropy of that
+    """Per position t of a plain row: logprob of token t+1 under the logits at t (and the entropy of that
     distribution). The last position (no next token) and sequence ends are garbage the caller drops.
     With ``positions`` the logits are only those rows (see `forward_logits`); every other position of
-    the ``[N]`` results holds 0. The float32 softmax runs ``chunk_tokens`` rows at a time, forward and
-    backward (`ChunkedLogprobs`): no float32 ``[tokens, vocab]`` tensor exists besides the logits."""
+    the ``[N]`` results holds 0."""
     target = torch.roll(input_ids[0], -1) if positions is None else input_ids[0, positions + 1]
-    # squeeze, not [0]: the gradient of a view is a view, of a selection a new tokens x vocab tensor
-    token_logp, entropy = ChunkedLogprobs.apply(logits.squeeze(0), target, temperature, with_entropy, chunk_tokens)
+    token_logp, entropy = token_logprobs(logits, target, temperature, with_entropy, chunk_tokens)
     if positions is None:
         return token_logp, entropy
 
     def spread(values: torch.Tensor) -> torch.Tensor:
         return values.new_zeros(input_ids.shape[1]).index_put((positions,), values)
     return spread(token_logp), spread(entropy) if entropy is not None else None
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, with_entropy: bool = True,
+                   chunk_tokens: int = CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``logits [1, M, vocab]``: the logprob of ``targets [M]`` (and the entropy) under ``softmax(logits /
+    temperature)`` in float32, ``chunk_tokens`` rows at a time forward and backward (`ChunkedLogprobs`): no
+    float32 ``[M, vocab]`` tensor exists besides the logits."""
+    # squeeze, not [0]: the gradient of a view is a view, of a selection a new tokens x vocab tensor
+    return ChunkedLogprobs.apply(logits.squeeze(0), targets, temperature, with_entropy, chunk_tokens)
 
 
 class ChunkedLogprobs(torch.autograd.Function):

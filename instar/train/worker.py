@@ -23,9 +23,9 @@ from instar.config import ActorConfig, CriticConfig, FSDPConfig, TrainConfig
 from instar.contract import Sample
 from instar.train import checkpoint, weight_sync
 from instar.train.batch import LossInputs, MicroBatch, StepInputs, collate, plan_micro_batches, right_pad, shard_samples
-from instar.train.context_parallel import chunk_rows, split_row, sum_over_chunks
+from instar.train.context_parallel import ULYSSES, chunk_rows, split_row, sum_over_chunks
 from instar.train.load import materialize, meta_model
-from instar.train.model import ValueModel, forward_logits, load_model, load_tokenizer, next_token_logprobs
+from instar.train.model import PACKED, ValueModel, forward_logits, load_model, load_tokenizer, token_logprobs
 from instar.train.moe import freeze_routers, replay_routes
 from instar.train.optim import build_optimizer, build_scheduler
 from instar.train.parallel import (
@@ -73,6 +73,8 @@ class TrainWorker:
         self.cp_group = self.layout.mesh["cp"].get_group() if self.layout.size("cp") > 1 else None
         a = self.actor
         self.policy = self._load(a.model_name_or_path, freeze_routers if a.freeze_moe_router else None)
+        # prefix-tree rows need attention that reads `Segments`: ours (packed, or packed inside Ulysses)
+        self.share_prefix = self.train.share_prefix and self.policy.config._attn_implementation in (PACKED, ULYSSES)
         self.optimizer = build_optimizer(self.policy, a.learning_rate, a.adam_betas, a.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, a.lr_warmup_steps, self.train.max_steps, a.lr_scheduler)
         self.ref = self._load(self.ref_path, lambda m: m.requires_grad_(False)) if self.ref_path else None
@@ -113,7 +115,7 @@ class TrainWorker:
             raise ValueError(f"trainer rank {self.rank} got no samples; give every rank at least one")
         count = int(all_reduce([len(plan)], op="max")[0])
         for k in range(count):
-            mb = collate(samples, plan[min(k, len(plan) - 1)], inputs, self.device, indices)
+            mb = collate(samples, plan[min(k, len(plan) - 1)], inputs, self.device, indices, self.share_prefix)
             yield mb, k >= len(plan)
 
     def _replay(self, model: nn.Module, mb: MicroBatch):
@@ -125,27 +127,35 @@ class TrainWorker:
         routes = mb.routed_experts if self.cp_group is None else chunk_rows(mb.routed_experts, self.cp_group, -1)
         return replay_routes(model, routes)
 
-    def _row_logprobs(self, net: nn.Module, mb: MicroBatch, temperature: float, positions: Tensor | None = None,
+    def _row_logprobs(self, net: nn.Module, mb: MicroBatch, temperature: float, select: Tensor,
                       with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:
-        """`next_token_logprobs` of the micro-batch's row. With context parallelism each cp rank runs its
-        chunk of the row (`split_row`) and every cp rank gets the whole row's results."""
+        """Logprob (and entropy) of each token that ``select`` (``[B, T]`` bool) picks, as ``[B, T]`` (0
+        elsewhere): the row's logits only at the positions that predict them (the head and the float32
+        softmax cost those rows, not the row's), each with its own target (in a shared row one position
+        predicts a different next token for each continuation). With context parallelism each cp rank
+        runs its chunk of the row (`split_row`) and every cp rank gets the whole results."""
+        positions, targets = mb.gather[select], mb.inputs.token_ids[select]
         if self.cp_group is None:
-            logits = forward_logits(net, mb.input_ids, mb.position_ids, positions)
-            return next_token_logprobs(logits, mb.input_ids, temperature, with_entropy=with_entropy,
-                                       positions=positions)
-        c = split_row(mb.input_ids, mb.position_ids, self.cp_group, positions)
-        logits = forward_logits(net, c.input_ids, c.position_ids, c.local, c.attention)
-        logp, entropy = next_token_logprobs(logits, c.row_ids, temperature, with_entropy=with_entropy,
-                                            positions=c.positions)
-        return (sum_over_chunks(logp, self.cp_group),
-                None if entropy is None else sum_over_chunks(entropy, self.cp_group))
+            logits = forward_logits(net, mb.input_ids, mb.position_ids, positions, mb.attention_kwargs)
+            logp, entropy = token_logprobs(logits, targets, temperature, with_entropy)
+        else:
+            c = split_row(mb.input_ids, mb.position_ids, mb.segments, self.cp_group, positions)
+            logits = forward_logits(net, c.input_ids, c.position_ids, c.local, c.attention)
+            logp, entropy = token_logprobs(logits, targets[c.mine], temperature, with_entropy)
+            logp, entropy = (None if v is None else sum_over_chunks(c.spread(v), self.cp_group)
+                             for v in (logp, entropy))
+
+        def place(values: Tensor | None) -> Tensor | None:
+            return None if values is None else torch.zeros(select.shape, dtype=values.dtype,
+                                                           device=values.device).masked_scatter(select, values)
+        return place(logp), place(entropy)
 
     def _row_values(self, mb: MicroBatch) -> Tensor:
         """The critic's value at each position of the row, like `_row_logprobs`."""
         if self.cp_group is None:
-            return self.critic(mb.input_ids, mb.position_ids)[0]
-        c = split_row(mb.input_ids, mb.position_ids, self.cp_group)
-        return sum_over_chunks(c.spread(self.critic(c.input_ids, c.position_ids, c.attention)[0]), self.cp_group)
+            return self.critic(mb.input_ids, mb.position_ids, mb.attention_kwargs)[0]
+        c = split_row(mb.input_ids, mb.position_ids, mb.segments, self.cp_group)
+        return sum_over_chunks(c.spread_row(self.critic(c.input_ids, c.position_ids, c.attention)[0]), self.cp_group)
 
     @torch.no_grad()
     def compute_logprobs(self, samples: list[Sample], temperature: float = 1.0, model: str = "policy") -> list[Tensor]:
@@ -158,9 +168,9 @@ class TrainWorker:
         out: list[Tensor] = [torch.empty(0)] * len(samples)
         for mb, repeat in self._micro_batches(samples, None):
             with self._replay(net, mb):
-                logp, _ = self._row_logprobs(net, mb, temperature, with_entropy=False)
+                logp, _ = self._row_logprobs(net, mb, temperature, mb.valid, with_entropy=False)
             if not repeat:
-                for i, lp in zip(mb.indices, mb.split(mb.unpack(logp))):
+                for i, lp in zip(mb.indices, mb.split(logp)):
                     out[i] = lp
         return out
 
@@ -198,14 +208,13 @@ class TrainWorker:
 
         def loss_of(mb: MicroBatch) -> tuple[Tensor, dict[str, Any]]:
             # the loss reads action tokens only: logits (and their float32 softmax) at those positions
-            logp, entropy = self._row_logprobs(self.policy, mb, temperature, mb.action_positions)
-            logp = mb.unpack(logp)
+            logp, entropy = self._row_logprobs(self.policy, mb, temperature, mb.valid & mb.inputs.action_mask)
             if old[mb.indices[0]] is None:  # the first update: its own forward is the old policy
                 mb.inputs.old_logprobs = logp.detach()
                 captured.update(zip(mb.indices, mb.split(logp)))
             else:
                 mb.inputs.old_logprobs = right_pad([old[i] for i in mb.indices], logp.shape[1]).to(self.device)
-            return loss_fn(logp, mb.unpack(entropy), mb.inputs)
+            return loss_fn(logp, entropy, mb.inputs)
 
         def after_first_update() -> None:  # later updates (and epochs) compare against the same old policy
             if len(updates) > 1:
