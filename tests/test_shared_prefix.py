@@ -13,7 +13,7 @@ from layouts import TOL, full_state, rl_config
 from instar.config import ActorConfig, CriticConfig, FSDPConfig, TrainConfig
 from instar.contract import Sample
 from instar.runtime.batching import critic_loss, rl_loss
-from instar.train.batch import StepInputs, collate, row_layout
+from instar.train.batch import StepInputs, collate, plan_micro_batches, row_layout, shard_samples, tree_order
 from instar.train.launch import free_port, run_ranks
 from instar.train.model import Segments, _shared_plan, packed_attention
 from instar.train.worker import TrainWorker
@@ -36,6 +36,22 @@ def test_row_layout_puts_a_shared_start_in_the_row_once():
     # depth first in token order: head, [3], [50] x 9, then the two that continue it
     assert nested.segments.context == ((), (0,), (0,), (0, 2), (0, 2))  # a shared start within a shared start
     assert len(nested.tokens) == 10 + 9 + 1 + 1 + 1
+
+
+def test_rows_and_ranks_keep_a_group_together():
+    group_a = [list(range(1, 11)) + [20 + k] for k in range(3)]
+    group_b = [list(range(50, 60)) + [60 + k] for k in range(3)]
+    seqs = [group_b[0], group_a[0], [90, 91], group_a[1], group_b[1], group_a[2], group_b[2]]
+    lengths = list(map(len, seqs))
+    assert tree_order(seqs) == ([1, 3, 5, 0, 4, 6, 2], [0, 10, 10, 0, 10, 10, 0])
+    assert plan_micro_batches(lengths, 14, seqs) == [[1, 3, 5], [0, 4, 6], [2]]  # rows of 13, 13 and 2 tokens
+    assert plan_micro_batches(lengths, 12, seqs) == [[1, 3], [5], [0, 4], [6], [2]]
+    assert shard_samples(lengths, 2, seqs) == [[1, 3, 5], [0, 2, 4, 6]]  # 13 and 15 tokens of prefix tree
+    assert shard_samples(lengths, 2) == [[0, 2, 3, 5], [1, 4, 6]]  # plain: by length, groups split
+    # 10 tokens shared by all, 6 more by two: too few for a segment, so each of those two repeats them
+    tail = [list(range(1, 11)) + [3], list(range(1, 11)) + [7] * 6 + [1], list(range(1, 11)) + [7] * 6 + [2]]
+    assert len(row_layout(tail).tokens) == 25
+    assert plan_micro_batches([11, 17, 17], 20, tail) == [[0, 1], [2]]  # 19 tokens by common starts, 25 real
 
 
 def _grouped(seed: int, prompts: int, per_prompt: int, long_tail: bool = False) -> list[list[int]]:

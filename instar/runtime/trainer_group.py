@@ -46,6 +46,7 @@ class TrainerGroup:
         self.ranks, self.checkpoints = ranks, checkpoints
         self.broken = False  # a call failed: ranks may be stuck in a collective, shutdown kills them
         self.data_size = len(ranks)  # ranks that see different samples (--fsdp.num_ranks / (tp x cp))
+        self.share_prefix = False  # shard so that a group's samples stay together (--train.share_prefix)
 
     @classmethod
     async def start(cls, cfg: RLConfig | SFTConfig, ref_path: str | None = None, critic: bool = False,
@@ -61,6 +62,7 @@ class TrainerGroup:
         addr, port = await ranks[0].address.remote()
         group = cls(ranks, os.path.join(cfg.ckpt.output_dir, "checkpoints"))
         group.data_size = cfg.fsdp.data_size
+        group.share_prefix = getattr(getattr(cfg, "train", None), "share_prefix", False)
         await group._all("init", *[(r, len(ranks), addr, port) for r in range(len(ranks))])
         return group
 
@@ -88,7 +90,8 @@ class TrainerGroup:
         """One shard per data-parallel rank; the cp x tp ranks of a data shard (consecutive ranks, see
         `instar.train.parallel`) compute it together, and the first of them answers."""
         group = len(self.ranks) // self.data_size
-        shards = shard_samples([len(s.token_ids) for s in samples], self.data_size)
+        shards = shard_samples([len(s.token_ids) for s in samples], self.data_size,
+                               [s.token_ids for s in samples] if self.share_prefix else None)
         results = await self._all(method, *[([samples[i] for i in shards[r // group]], *rest)
                                             for r in range(len(self.ranks))])
         out: list[Tensor] = [torch.empty(0)] * len(samples)

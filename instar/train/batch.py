@@ -89,15 +89,36 @@ class MicroBatch:
         return [unpacked[b, :n].detach().cpu() for b, n in enumerate(lengths)]
 
 
-def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+def plan_micro_batches(lengths: list[int], max_tokens: int, seqs: list[list[int]] | None = None) -> list[list[int]]:
     """Indices grouped into bins of at most ``max_tokens`` tokens: first-fit decreasing, which keeps
-    the number of forward passes near the minimum. Deterministic for the same lengths."""
+    the number of forward passes near the minimum. With ``seqs`` (the samples' tokens, for shared rows)
+    in which some samples share a start, the bins are runs of `tree_order`, so a group's samples share
+    a row, and a bin holds at most ``max_tokens`` tokens of its prefix tree. Deterministic."""
     if not lengths:
         return []
     longest = max(lengths)
     if longest > max_tokens:
         raise ValueError(f"a sample has {longest} tokens, more than --train.max_tokens_per_gpu {max_tokens}; "
                          "raise --train.max_tokens_per_gpu to at least the longest sample (or lower --data.max_len)")
+    order, shared = tree_order(seqs) if seqs is not None else ([], [])
+    if any(shared):  # else nothing is shared: first-fit decreasing packs tighter
+        runs: list[list[int]] = []
+        size = 0
+        for i, common in zip(order, shared):
+            if not runs or size + lengths[i] - common > max_tokens:  # a new row: its first sample brings all
+                runs.append([])
+                size, common = 0, 0
+            runs[-1].append(i)
+            size += lengths[i] - common
+        fitted: list[list[int]] = []
+        while runs:  # `shared` can overstate by a too-short shared part: the last samples move on until it fits
+            run, spill = runs.pop(0), []
+            while len(run) > 1 and len(row_layout([seqs[j] for j in run]).tokens) > max_tokens:
+                spill.insert(0, run.pop())
+            fitted.append(run)
+            if spill:
+                runs.insert(0, spill + (runs.pop(0) if runs else []))
+        return fitted
     bins: list[list[int]] = []
     room: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -112,12 +133,25 @@ def plan_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return bins
 
 
-def shard_samples(lengths: list[int], world_size: int) -> list[list[int]]:
+def shard_samples(lengths: list[int], world_size: int, seqs: list[list[int]] | None = None) -> list[list[int]]:
     """Indices dealt to ranks so each gets about the same number of tokens (longest first, each to the
-    least loaded rank). Every rank gets at least one sample when there are enough."""
+    least loaded rank). Every rank gets at least one sample when there are enough. With ``seqs`` (shared
+    rows) in which some samples share a start, each rank gets a run of `tree_order`, cut where the
+    prefix-tree tokens before it are nearest to an equal share: a group's samples stay on one rank."""
     if len(lengths) < world_size:
         raise ValueError(f"{len(lengths)} samples cannot feed {world_size} trainer ranks; "
                          "use a batch of at least --fsdp.num_ranks samples")
+    order, shared = tree_order(seqs) if seqs is not None else ([], [])
+    if any(shared):  # else nothing is shared: dealing by length balances better
+        done = [0]
+        for i, common in zip(order, shared):
+            done.append(done[-1] + lengths[i] - common)
+        cuts = [0]
+        for r in range(1, world_size):  # nearest to r shares, leaving a sample for every later rank
+            lo, hi = cuts[-1] + 1, len(order) - (world_size - r)
+            cuts.append(min(range(lo, hi + 1), key=lambda k: (abs(done[k] - r * done[-1] / world_size), k)))
+        cuts.append(len(order))
+        return [sorted(order[a:b]) for a, b in zip(cuts, cuts[1:])]
     shards: list[list[int]] = [[] for _ in range(world_size)]
     load = [0] * world_size
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -189,6 +223,16 @@ def row_layout(seqs: list[list[int]], share: bool = True, min_shared: int = MIN_
                     start = k + 1
         grow(0, len(seqs), 0, ())
     return RowLayout(tokens, positions, place, Segments((*bounds, len(tokens)), tuple(context)), sources)
+
+
+def tree_order(seqs: list[list[int]], min_shared: int = MIN_SHARED) -> tuple[list[int], list[int]]:
+    """The samples in `row_layout`'s order (lexicographic: a group's samples are neighbours), and for
+    each the tokens it shares with the one before it (its common start with it, when one is shared): in
+    a row that holds both it adds its length less that, or up to ``min_shared - 1`` more."""
+    order = sorted(range(len(seqs)), key=lambda b: seqs[b])
+    common = [_common_start(seqs[x], seqs[y]) for x, y in zip(order, order[1:])]
+    shared = [0] + [c if c >= min_shared else 0 for c in common]
+    return order, shared
 
 
 def _common_start(x: list[int], y: list[int]) -> int:

@@ -110,7 +110,8 @@ class TrainWorker:
         """Packed micro-batches, padded with repeats (flagged ``True``) to the largest count on any
         rank: FSDP gathers parameters collectively, so every rank must run as many passes. ``indices``
         name the samples in the lists of ``inputs`` (default: their position)."""
-        plan = plan_micro_batches([len(s.token_ids) for s in samples], self.train.max_tokens_per_gpu)
+        plan = plan_micro_batches([len(s.token_ids) for s in samples], self.train.max_tokens_per_gpu,
+                                  [s.token_ids for s in samples] if self.share_prefix else None)
         if not plan:
             raise ValueError(f"trainer rank {self.rank} got no samples; give every rank at least one")
         count = int(all_reduce([len(plan)], op="max")[0])
@@ -240,7 +241,8 @@ class TrainWorker:
     def _share(self, samples: list[Sample], indices: list[int]) -> list[int]:
         """This rank's part of ``indices``: the same token-balanced split on every rank, one part per
         data-parallel rank (the tp and cp ranks of one data shard take the same part)."""
-        shards = shard_samples([len(samples[i].token_ids) for i in indices], self.layout.data_size)
+        shards = shard_samples([len(samples[i].token_ids) for i in indices], self.layout.data_size,
+                               [samples[i].token_ids for i in indices] if self.share_prefix else None)
         return [indices[k] for k in shards[self.layout.data_rank]]
 
     def share(self, samples: list[Sample]) -> list[Sample]:
