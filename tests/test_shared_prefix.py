@@ -43,7 +43,7 @@ def test_rows_and_ranks_keep_a_group_together():
     group_b = [list(range(50, 60)) + [60 + k] for k in range(3)]
     seqs = [group_b[0], group_a[0], [90, 91], group_a[1], group_b[1], group_a[2], group_b[2]]
     lengths = list(map(len, seqs))
-    assert tree_order(seqs) == ([1, 3, 5, 0, 4, 6, 2], [0, 10, 10, 0, 10, 10, 0])
+    assert tree_order(seqs) == ([1, 3, 5, 0, 4, 6, 2], [10, 10, 0, 10, 10, 0])
     assert plan_micro_batches(lengths, 14, seqs) == [[1, 3, 5], [0, 4, 6], [2]]  # rows of 13, 13 and 2 tokens
     assert plan_micro_batches(lengths, 12, seqs) == [[1, 3], [5], [0, 4], [6], [2]]
     assert shard_samples(lengths, 2, seqs) == [[1, 3, 5], [0, 2, 4, 6]]  # 13 and 15 tokens of prefix tree

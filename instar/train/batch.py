@@ -92,7 +92,7 @@ class MicroBatch:
 def plan_micro_batches(lengths: list[int], max_tokens: int, seqs: list[list[int]] | None = None) -> list[list[int]]:
     """Indices grouped into bins of at most ``max_tokens`` tokens: first-fit decreasing, which keeps
     the number of forward passes near the minimum. With ``seqs`` (the samples' tokens, for shared rows)
-    in which some samples share a start, the bins are runs of `tree_order`, so a group's samples share
+    in which some samples share a start, the bins are runs in `tree_order`, so a group's samples share
     a row, and a bin holds at most ``max_tokens`` tokens of its prefix tree. Deterministic."""
     if not lengths:
         return []
@@ -100,7 +100,7 @@ def plan_micro_batches(lengths: list[int], max_tokens: int, seqs: list[list[int]
     if longest > max_tokens:
         raise ValueError(f"a sample has {longest} tokens, more than --train.max_tokens_per_gpu {max_tokens}; "
                          "raise --train.max_tokens_per_gpu to at least the longest sample (or lower --data.max_len)")
-    order, shared = tree_order(seqs) if seqs is not None else ([], [])
+    order, shared = _shared_with_previous(seqs) if seqs is not None else ([], [])
     if any(shared):  # else nothing is shared: first-fit decreasing packs tighter
         runs: list[list[int]] = []
         size = 0
@@ -141,7 +141,7 @@ def shard_samples(lengths: list[int], world_size: int, seqs: list[list[int]] | N
     if len(lengths) < world_size:
         raise ValueError(f"{len(lengths)} samples cannot feed {world_size} trainer ranks; "
                          "use a batch of at least --fsdp.num_ranks samples")
-    order, shared = tree_order(seqs) if seqs is not None else ([], [])
+    order, shared = _shared_with_previous(seqs) if seqs is not None else ([], [])
     if any(shared):  # else nothing is shared: dealing by length balances better
         done = [0]
         for i, common in zip(order, shared):
@@ -204,9 +204,7 @@ def row_layout(seqs: list[list[int]], share: bool = True, min_shared: int = MIN_
         for b, seq in enumerate(seqs):
             add([b], 0, len(seq), ())
     else:  # lexicographic order: sequences with a common start are neighbours, their common start the min LCP
-        keys = seqs if keys is None else keys
-        order = sorted(range(len(seqs)), key=lambda b: keys[b])
-        common = [_common_start(keys[x], keys[y]) for x, y in zip(order, order[1:])]
+        order, common = tree_order(seqs if keys is None else keys)
 
         def grow(a: int, z: int, done: int, ctx: tuple[int, ...]) -> None:
             """Sequences ``order[a:z]`` whose first ``done`` tokens are in the segments ``ctx``."""
@@ -225,23 +223,23 @@ def row_layout(seqs: list[list[int]], share: bool = True, min_shared: int = MIN_
     return RowLayout(tokens, positions, place, Segments((*bounds, len(tokens)), tuple(context)), sources)
 
 
-def tree_order(seqs: list[list[int]], min_shared: int = MIN_SHARED) -> tuple[list[int], list[int]]:
-    """The samples in `row_layout`'s order (lexicographic: a group's samples are neighbours), and for
-    each the tokens it shares with the one before it (its common start with it, when one is shared): in
-    a row that holds both it adds its length less that, or up to ``min_shared - 1`` more."""
+def tree_order(seqs: list[list]) -> tuple[list[int], list[int]]:
+    """The sequences in `row_layout`'s order (lexicographic: a group's samples are neighbours) and the
+    common start of each pair of neighbours."""
     order = sorted(range(len(seqs)), key=lambda b: seqs[b])
-    common = [_common_start(seqs[x], seqs[y]) for x, y in zip(order, order[1:])]
-    shared = [0] + [c if c >= min_shared else 0 for c in common]
-    return order, shared
+    return order, [_common_start(seqs[x], seqs[y]) for x, y in zip(order, order[1:])]
 
 
-def _common_start(x: list[int], y: list[int]) -> int:
-    n = 0
-    for a, b in zip(x, y):
-        if a != b:
-            break
-        n += 1
-    return n
+def _shared_with_previous(seqs: list[list[int]]) -> tuple[list[int], list[int]]:
+    """`tree_order`, and per sample the tokens it shares with the one before it (its common start, if one
+    is shared; 0 for the first): in a row that holds both it adds its length less that, or up to
+    ``MIN_SHARED - 1`` more (a shared part too short to be a segment is repeated)."""
+    order, common = tree_order(seqs)
+    return order, [0] + [c if c >= MIN_SHARED else 0 for c in common]
+
+
+def _common_start(x: list, y: list) -> int:
+    return next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
 
 
 def collate(samples: list[Sample], indices: list[int], step: StepInputs | None = None,
