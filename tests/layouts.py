@@ -38,6 +38,11 @@ def advantages(lengths: list[int]) -> list[torch.Tensor]:
     return [torch.full((n,), 1.0 if i % 2 else -1.0) for i, n in enumerate(lengths)]
 
 
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value: gathered from its shards, or itself on a lone (unsharded) rank."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def full_state(w) -> dict[str, torch.Tensor]:
     """The policy's full state dict, gathered on rank 0 (empty on the others)."""
     return get_model_state_dict(w.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -6,7 +6,7 @@ next step; impossible layouts are refused naming the fix."""
 
 import pytest
 import torch
-from layouts import TOL, check_equals_one_rank, make_sample, make_worker, rl_two_steps, step, train_job
+from layouts import TOL, check_equals_one_rank, full, make_sample, make_worker, rl_two_steps, step, train_job
 
 from instar.checks import check_layout
 from instar.config import ConfigError, FSDPConfig
@@ -30,9 +30,9 @@ def _replay_job(rank, world, port, model_dir, ep):
         with torch.no_grad(), replay_routes(w.policy, s.routed_experts), record_routes(w.policy) as rec:
             forward_logits(w.policy, ids, torch.arange(ids.shape[1])[None])
         out["recorded"].append((s.routed_experts, rec[0]))
-    gates = [r.weight.full_tensor().clone() for r in routers(w.policy)]
+    gates = [full(r.weight).clone() for r in routers(w.policy)]
     out["metrics"] = step(w, SAMPLES)
-    out["routers_frozen"] = all(torch.equal(r.weight.full_tensor(), g) for r, g in zip(routers(w.policy), gates))
+    out["routers_frozen"] = all(torch.equal(full(r.weight), g) for r, g in zip(routers(w.policy), gates))
     out["after"] = w.compute_logprobs(SAMPLES)
     w.shutdown()
     return out

@@ -7,6 +7,7 @@ from functools import partial
 
 import pytest
 import torch
+from layouts import full
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM
 
@@ -190,10 +191,10 @@ def test_worker_replays_recorded_routes_and_freezes_the_router(tiny_moe_dir):
         torch.testing.assert_close(with_own, plain, atol=1e-6, rtol=0)  # own routes: replay is a no-op
         assert (with_other - plain).abs().max() > 1e-3  # other experts, other logprobs
         w.train.routing_replay = True
-        gates = [r.weight.full_tensor().clone() for r in routers(w.policy)]
+        gates = [full(r.weight).clone() for r in routers(w.policy)]
         adv = [torch.ones(12)]
         w.train_step([own], LOSS, StepInputs(advantages=adv, old_logprobs=[with_own]))
-        assert all(torch.equal(r.weight.full_tensor(), g) for r, g in zip(routers(w.policy), gates))
+        assert all(torch.equal(full(r.weight), g) for r, g in zip(routers(w.policy), gates))
         assert (w.compute_logprobs([own])[0] - with_own).abs().max() > 1e-4  # the rest of the model moved
     finally:
         w.shutdown()

@@ -7,6 +7,7 @@ from functools import partial
 
 import pytest
 import torch
+from layouts import full
 
 from instar.algo import policy_loss
 from instar.config import ActorConfig, FSDPConfig, RLConfig, TrainConfig
@@ -58,7 +59,7 @@ def advantages() -> list[torch.Tensor]:
 
 
 def state(w: TrainWorker) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor().detach().clone() for k, v in w.policy.state_dict().items()}
+    return {k: full(v).detach().clone() for k, v in w.policy.state_dict().items()}
 
 
 class Recorder:
@@ -144,7 +145,7 @@ def _two_rank_job(rank, world, port, model_dir, samples, updates):
     w = worker(model_dir, rank, world, port)
     stats = w.train_policy(samples, partial(rl_loss, rl_config(), 0.0), StepInputs(advantages=advantages()),
                            updates=updates)
-    out = {"metrics": stats.metrics, "state": {k: v.full_tensor() for k, v in w.policy.state_dict().items()}}
+    out = {"metrics": stats.metrics, "state": {k: full(v) for k, v in w.policy.state_dict().items()}}
     w.shutdown()
     return out
 

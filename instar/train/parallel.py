@@ -102,7 +102,8 @@ def build_layout(fsdp: FSDPConfig) -> Layout:
 
 def parallelize(model: nn.Module, layout: Layout, fsdp: FSDPConfig) -> nn.Module:
     """TP, EP, CP, activation checkpointing, then FSDP2, in place. Parameters become DTensors with
-    their HF names unchanged; `weight_sync` and `checkpoint` gather or reshard them by name."""
+    their HF names unchanged (plain tensors on a lone rank); `weight_sync` and `checkpoint` gather or
+    reshard them by name."""
     check_layout(fsdp, model.config)
     if fsdp.offload == "none" and not any(p.is_meta for p in model.parameters()):  # meta: materialised later
         model.to(device_type())
@@ -116,6 +117,8 @@ def parallelize(model: nn.Module, layout: Layout, fsdp: FSDPConfig) -> nn.Module
         apply_context_parallel(model, layout.size("cp"), layout.size("tp"), fsdp.attn_implementation)
     if fsdp.activation_checkpointing:
         enable_activation_checkpointing(model)
+    if layout.mesh.size() == 1 and fsdp.offload == "none" and fsdp.mixed_precision == "float32":
+        return model  # FSDP on one rank would only add hooks around every layer: ~5% of an update on CPU
     return apply_fsdp(model, layout.fsdp_mesh(), fsdp, expert_mesh)
 
 
