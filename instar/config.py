@@ -114,7 +114,10 @@ class DataConfig:
     """Prompt datasets."""
 
     prompt_dataset: str = ""
-    """JSONL file (or HF `datasets` name available offline) of training prompts."""
+    """Training prompts, read with Hugging Face `datasets`: a JSON / JSONL, Parquet or CSV file, a directory of
+    them, or a hub dataset name (needs the hub, or its local cache with HF_HUB_OFFLINE=1)."""
+    split: str = "train"
+    """Split of a --data.prompt_dataset directory or hub name (a single file is read whole)."""
     input_key: str = "prompt"
     """Key of the prompt (a string or a list of chat messages) in each record."""
     label_key: str = "label"
@@ -225,7 +228,8 @@ class TrainConfig:
     """The RL loop."""
 
     agent_path: str = ""
-    """Python file that exports `AgentRunner` (an Env or ChatAgent runner)."""
+    """The agent: a Python file that exports `AgentRunner` (an Env or ChatAgent runner), or
+    `package.module:AttributeName` of an importable module."""
     max_steps: int = 100
     """Stop after this many optimizer steps."""
     async_queue_size: int = 1
@@ -284,7 +288,10 @@ class EvalConfig:
     """Evaluation during RL."""
 
     dataset: str | None = None
-    """JSONL prompts to evaluate pass@k on."""
+    """Prompts to evaluate pass@k on: a file, directory or hub dataset name, as --data.prompt_dataset (its
+    --data.*_key columns)."""
+    split: str = "test"
+    """Split of an --eval.dataset directory or hub name (a single file is read whole)."""
     steps: int = 0
     """Evaluate every N steps (and at the start); 0 only at the start and end."""
     n_samples: int = 1
@@ -338,7 +345,10 @@ class SFTSection:
     """Supervised fine-tuning data and schedule."""
 
     dataset: str = ""
-    """JSONL file of chat conversations (a `messages` list per record)."""
+    """Chat conversations (a `messages` list per record): a JSON / JSONL, Parquet or CSV file, a directory of
+    them, or a hub dataset name, read with Hugging Face `datasets`."""
+    split: str = "train"
+    """Split of an --sft.dataset directory or hub name (a single file is read whole)."""
     messages_key: str = "messages"
     """Key of the message list in each record."""
     epochs: int = 1

@@ -3,7 +3,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from instar.data.chat import continuation_text, encode, parse_tool_calls, prompt_messages, render, token_pieces
+from instar.data.chat import continuation_text, encode, parse_tool_calls, prompt_messages, render
 
 END = "<|im_end|>"
 USER = {"role": "user", "content": "What is 2+3?"}
@@ -74,14 +74,6 @@ def test_parse_tool_calls_takes_well_formed_calls_and_leaves_the_rest_in_the_con
     assert parse_tool_calls(not_object) == (not_object, [])
     assert parse_tool_calls('<tool_call>{"name": "f"}</tool_call>') == ("", [{"name": "f", "arguments": {}}])
     assert parse_tool_calls("The answer is 5.") == ("The answer is 5.", [])
-
-
-def test_token_pieces_join_to_the_decoded_text_one_piece_per_token(tok):
-    ids = encode(tok, "héllo 5€ <tool_call>")
-    pieces = token_pieces(tok, ids)
-    assert len(pieces) == len(ids)
-    assert "".join(pieces) == "héllo 5€ <tool_call>" == tok.decode(ids)
-    assert "\ufffd" not in "".join(pieces)
 
 
 def test_prompt_messages_wraps_strings_and_prepends_the_system_prompt_once():

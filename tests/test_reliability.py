@@ -103,7 +103,8 @@ NO_AGENT = "--train.agent_path is required: the Python file that defines AgentRu
 @pytest.mark.parametrize("flags,message", [
     ([], NO_AGENT),
     (["--train.agent_path", "{tmp}/missing.py"],
-     "--train.agent_path '{tmp}/missing.py' is not a file; give the path of a Python file that defines AgentRunner"),
+     "--train.agent_path '{tmp}/missing.py' is not a file; give the path of a Python file that defines AgentRunner, "
+     "or package.module:AttributeName"),
     (["--train.agent_path", "{tmp}/syntax.py"], "--train.agent_path '{tmp}/syntax.py' does not compile: "
                                                 "invalid syntax (line 1)"),
     (["--train.agent_path", "{tmp}/empty.py"], "{tmp}/empty.py defines no AgentRunner; add `AgentRunner = "
@@ -112,7 +113,10 @@ NO_AGENT = "--train.agent_path is required: the Python file that defines AgentRu
      "and is not a hub model name (like Qwen/Qwen3-0.6B); give an HF checkpoint directory"),
     (["--actor.model_name_or_path", "Qwen/Qwen3-0.6B"], NO_AGENT),  # a hub name passes; the next problem shows
     (["--data.prompt_dataset", "{tmp}/none.jsonl"],
-     "--data.prompt_dataset '{tmp}/none.jsonl' is not a file; give a JSONL file of prompts"),
+     "--data.prompt_dataset '{tmp}/none.jsonl' does not exist; give a .json, .jsonl, .parquet, .csv file, a "
+     "directory of them or a Hugging Face dataset name (like openai/gsm8k)"),
+    (["--eval.dataset", "no such file"], "--eval.dataset 'no such file' does not exist; give a .json, .jsonl, "
+     ".parquet, .csv file, a directory of them or a Hugging Face dataset name (like openai/gsm8k)"),
 ])
 def test_bad_inputs_fail_rl_in_seconds_with_one_line(flags, message, rl_flags, tmp_path):
     code, err = _instar("rl", *rl_flags, *(f.format(tmp=tmp_path) for f in flags))

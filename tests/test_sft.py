@@ -50,7 +50,8 @@ def test_a_template_that_rewrites_history_is_rejected(tokenizer):
 def test_load_names_the_missing_key(tmp_path, tokenizer):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"conversation": []}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl:1 has no message list under 'messages' \(keys: \['conv"):
+    with pytest.raises(ValueError, match=r"bad.jsonl': record 0 has no message list under 'messages' "
+                                         r"\(columns: \['conv"):
         load_sft_samples(str(path), tokenizer)
 
 

@@ -7,6 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from instar.cli.main import main
+from instar.cli.view import write_view
 from instar.contract import Sample, Trajectory, write_jsonl
 
 
@@ -50,3 +51,25 @@ def test_view_says_what_is_missing(tmp_path, tiny_model_dir):
         main(["view", "--path", str(tmp_path), "--tokenizer", str(tiny_model_dir)])
     with pytest.raises(SystemExit, match="--path .* and --tokenizer .* are required"):
         main(["view", "--path", str(tmp_path)])
+
+
+def test_view_shows_multi_byte_characters_whole(tmp_path, tiny_model_dir):
+    """The tiny tokenizer is byte-level BPE: a CJK character or an emoji is several tokens, none of
+    which decodes to text alone."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    context, answer = tokenizer.encode("Say 中文 and é: "), tokenizer.encode("ok 🙂!")
+    assert "\ufffd" in tokenizer.decode(answer[-2:-1])  # a lone byte of the emoji
+    seg = Sample(context + answer, [0] * len(context) + [1] * len(answer),
+                 [0.0] * len(context) + [math.log(0.5)] * len(answer), [-1] * len(context) + [2] * len(answer))
+    write_jsonl(str(tmp_path / "step_000001.jsonl"), [Trajectory([seg], reward=1.0, score=None, rollout_id="r0",
+                                                                 prompt_index=0, finish_reason="stop")])
+    page = write_view(tmp_path, str(tiny_model_dir)).read_text(encoding="utf-8")
+    assert "\ufffd" not in page
+    body = page.split("</h2>")[1]
+    assert re.sub(r"<[^>]+>", "", body).strip() == "Say 中文 and é: ok 🙂!"
+    emoji_ids = tokenizer.encode("🙂")
+    emoji = re.search(r"<span class=a [^>]*title='([^']*)'>🙂</span>", body)
+    n = len(emoji_ids)  # its bytes are one span: ids listed, logprob and probability of the whole character
+    assert emoji.group(1) == (f"ids {' '.join(map(str, emoji_ids))} · logprob {n * math.log(0.5):.4f} · "
+                              f"p {0.5 ** n:.3f} · version 2")
+    assert body.count("<span class=a ") == len(answer) - n + 1

@@ -16,10 +16,14 @@ instantiated once. A plain synchronous ``gymnasium.Env`` with text observations 
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import copy
 import importlib.util
 import inspect
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,10 +89,15 @@ class ChatContext:
 
 
 class ChatAgent:
-    """An agent that runs its own loop against the OpenAI / Anthropic endpoints in ``ctx``."""
+    """An agent that runs its own loop against the OpenAI / Anthropic endpoints in ``ctx``. ``run`` may be
+    ``async def`` (run on an event loop of its own) or a plain ``def`` (run with no event loop, so helpers
+    such as ``Runner.run_sync`` work); either way it runs on a thread of its own, so blocking clients
+    (LangChain ``invoke``, ``requests``) are fine. Don't share async clients between rollouts: each
+    rollout has its own event loop."""
 
     async def run(self, ctx: ChatContext) -> Result:
-        raise NotImplementedError(f"{type(self).__name__} must define `async def run(self, ctx) -> Result`")
+        raise NotImplementedError(f"{type(self).__name__} must define `async def run(self, ctx) -> Result` "
+                                  f"(or a plain `def run`)")
 
 
 def _last_user_text(messages: list[Message]) -> str:
@@ -156,23 +165,59 @@ class ChatAgentRunner:
                           sampling_params=task.sampling_params, max_length=session.transcript.max_len,
                           untraced_base_url=session.untraced_base_url,
                           untraced_session_url=session.untraced_session_url)
-        result = await self.agent_class().run(ctx)
+        result = await on_own_thread(self.agent_class().run, ctx)
         if not isinstance(result, Result):
             raise TypeError(f"{self.agent_class.__name__}.run must return instar.agents.Result, "
                             f"got {type(result).__name__}")
         return result
 
 
+async def on_own_thread(run: Callable[[ChatContext], Any], ctx: ChatContext) -> Any:
+    """``run(ctx)`` on a new thread, awaited here. The caller's loop serves the chat server and the rollout
+    timeout, so user code must never block it. Cancelling the await cancels an async ``run``'s task; a
+    blocking call cannot be interrupted, so that thread ends on its own (a daemon: it never holds up exit)."""
+    if inspect.iscoroutinefunction(run):
+        loop = asyncio.new_event_loop()
+        done = asyncio.run_coroutine_threadsafe(run(ctx), loop)
+        done.add_done_callback(lambda _: loop.call_soon_threadsafe(loop.stop))
+        threading.Thread(target=_serve, args=(loop,), name="instar-agent", daemon=True).start()
+        return await asyncio.wrap_future(done)
+    result: concurrent.futures.Future = concurrent.futures.Future()
+
+    def call() -> None:
+        if result.set_running_or_notify_cancel():  # else timed out before the thread started
+            try:
+                result.set_result(run(ctx))
+            except BaseException as e:  # handed to the awaiting side, like any outcome
+                result.set_exception(e)
+
+    threading.Thread(target=call, name="instar-agent", daemon=True).start()
+    return await asyncio.wrap_future(result)
+
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    """Run ``loop`` until its rollout is done, then cancel what the agent left running, as asyncio.run does."""
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    finally:
+        loop.close()
+
+
 class AgentLoadError(ValueError):
     """--train.agent_path does not name a usable agent module; the message says what to fix."""
 
 
-def load_agent(path: str) -> StepEnvRunner | ChatAgentRunner:
-    """Import the Python file at ``path`` and return its ``AgentRunner``."""
+def _import_file(path: str) -> Any:
     file = Path(path)
     if not file.is_file():
         raise AgentLoadError(f"--train.agent_path {path!r} is not a file; give the path of a Python file that "
-                             f"defines AgentRunner")
+                             f"defines AgentRunner, or package.module:AttributeName")
     name = f"instar_agent_{file.stem}"
     spec = importlib.util.spec_from_file_location(name, file)
     if spec is None or spec.loader is None:
@@ -180,10 +225,25 @@ def load_agent(path: str) -> StepEnvRunner | ChatAgentRunner:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look their module up here
     spec.loader.exec_module(module)
-    runner = getattr(module, "AgentRunner", None)
+    return module
+
+
+def load_agent(path: str) -> StepEnvRunner | ChatAgentRunner:
+    """The runner ``path`` names: a Python file's ``AgentRunner``, or ``package.module:Name``, attribute
+    ``Name`` of an importable module (an installed package, or one on PYTHONPATH)."""
+    module_name, _, attr = path.partition(":")
+    if attr and not Path(path).is_file():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            raise AgentLoadError(f"--train.agent_path {path!r}: cannot import {module_name!r} ({e}); install its "
+                                 "package or put its directory on PYTHONPATH") from None
+    else:
+        module, attr = _import_file(path), "AgentRunner"
+    runner = getattr(module, attr, None)
     if runner is None:
-        raise AgentLoadError(f"{path} defines no AgentRunner; add `AgentRunner = StepEnvRunner(YourEnv)` or "
-                             f"`AgentRunner = ChatAgentRunner(YourChatAgent)`")
+        raise AgentLoadError(f"{path} defines no {attr}; add `{attr} = StepEnvRunner(YourEnv)` or "
+                             f"`{attr} = ChatAgentRunner(YourChatAgent)`")
     runners = (StepEnvRunner, ChatAgentRunner)  # GymEnvRunner is a StepEnvRunner
     if isinstance(runner, type) and issubclass(runner, runners):  # Molt's form: a subclass, built here
         try:

@@ -6,12 +6,14 @@ jsonargparse turns the nested dataclasses of instar/config.py into dotted flags 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import re
 import sys
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -19,7 +21,9 @@ from jsonargparse import ArgumentParser, Namespace, set_parsing_settings
 
 from instar.checks import check
 from instar.config import ALIASES, ConfigError, RLConfig, SFTConfig
+from instar.data.records import source_kind
 from instar.data.tiny_model import TinySpec, build_tiny_model
+from instar.version import __version__
 
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
@@ -92,9 +96,12 @@ def _check_inputs(cfg: RLConfig) -> None:
         if path and not os.path.exists(path) and not _HUB_NAME.fullmatch(path):
             raise ConfigError(f"--{flag} {path!r} does not exist and is not a hub model name (like "
                               "Qwen/Qwen3-0.6B); give an HF checkpoint directory")
-    for flag, path in {"data.prompt_dataset": cfg.data.prompt_dataset, "eval.dataset": cfg.eval.dataset}.items():
-        if path is not None and not os.path.isfile(path):
-            raise ConfigError(f"--{flag} {path!r} is not a file; give a JSONL file of prompts")
+    for flag, source in {"data.prompt_dataset": cfg.data.prompt_dataset, "eval.dataset": cfg.eval.dataset}.items():
+        if source is not None:
+            try:
+                source_kind(source, flag)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
     if cfg.train.rollout_replay_dir:  # trains from a dump: no agent runs
         return
     if not cfg.train.agent_path:
@@ -108,17 +115,54 @@ def _check_inputs(cfg: RLConfig) -> None:
         raise ConfigError(str(e)) from None
 
 
-def _run_rl(cfg: RLConfig) -> None:
+def rl(config: RLConfig | Sequence[str]) -> dict[str, float]:
+    """`instar rl` from Python (a script or a notebook): an ``RLConfig``, or the command's flags as a list.
+    Returns the last step's metrics."""
+    cfg = _config("rl", config)
     check(cfg)
     _check_inputs(cfg)
     from instar.loop import run  # the loop pulls in Ray and torch.distributed; only load it to run
 
-    run(cfg)
+    return _outside_event_loop(run, cfg)
+
+
+def evaluate(config: RLConfig | Sequence[str]) -> dict[str, float]:
+    """`instar eval` from Python: accuracy, pass@k and greedy accuracy of a checkpoint over --eval.dataset."""
+    from instar.loop import evaluate as run_eval
+
+    return _outside_event_loop(run_eval, _config("eval", config))
+
+
+def sft(config: SFTConfig | Sequence[str]) -> dict[str, float]:
+    """`instar sft` from Python. Returns the last step's metrics."""
+    from instar.train.run_dir import prepare_run_dir
+    from instar.train.sft import run_sft
+
+    cfg = _config("sft", config)
+    prepare_run_dir(cfg.ckpt)
+    return run_sft(cfg)
+
+
+def _config(command: str, config: object) -> typing.Any:
+    return config if isinstance(config, COMMANDS[command][0]) else parse([command, *config])[1]
+
+
+def _outside_event_loop(fn: Callable[[RLConfig], dict[str, float]], cfg: RLConfig) -> dict[str, float]:
+    """``fn(cfg)``, which runs its own event loop; in a thread of its own when this thread already runs
+    one (a notebook, an async script), where asyncio.run would refuse to start."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return fn(cfg)
+    with ThreadPoolExecutor(1, thread_name_prefix="instar") as pool:
+        return pool.submit(fn, cfg).result()
+
+
+def _run_rl(cfg: RLConfig) -> None:
+    rl(cfg)
 
 
 def _run_eval(cfg: RLConfig) -> None:
-    from instar.loop import evaluate
-
     metrics = evaluate(cfg)
     for key, value in metrics.items():
         print(f"{key}: {value:g}")
@@ -126,11 +170,7 @@ def _run_eval(cfg: RLConfig) -> None:
 
 
 def _run_sft(cfg: SFTConfig) -> None:
-    from instar.train.run_dir import prepare_run_dir
-    from instar.train.sft import run_sft
-
-    prepare_run_dir(cfg.ckpt)
-    run_sft(cfg)
+    sft(cfg)
 
 
 def _run_tiny_model(args: TinyModelArgs) -> None:
@@ -156,6 +196,7 @@ COMMANDS: dict[str, tuple[type, Callable]] = {
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="instar", description="instar: agentic reinforcement learning for language models")
+    parser.add_argument("--version", action="version", version=f"instar {__version__}")
     sub = parser.add_subcommands(dest="command")
     for name, (cls, _) in COMMANDS.items():
         p = ArgumentParser(prog=f"instar {name}", description=(cls.__doc__ or "").strip())

@@ -32,23 +32,45 @@ def load_dump(path: str | Path) -> list[tuple[str, Trajectory]]:
     return [(f.name, t) for f in files for t in read_jsonl(str(f))]
 
 
-def _token(text: str, token_id: int, action: bool, logprob: float, version: int) -> str:
+def _token(text: str, token_ids: list[int], action: bool, logprob: float, version: int) -> str:
     shown = html.escape(text.replace("\n", "\u21b5\n"))
+    ids = f"id {token_ids[0]}" if len(token_ids) == 1 else f"ids {' '.join(map(str, token_ids))}"
     if not action:
-        return f"<span class=c title='id {token_id}'>{shown}</span>"
+        return f"<span class=c title='{ids}'>{shown}</span>"
     p = math.exp(logprob)
     colour = f"hsl({120 * p:.0f},70%,80%)"  # 0 -> red, 1 -> green
-    tip = f"id {token_id} · logprob {logprob:.4f} · p {p:.3f} · version {version}"
+    tip = f"{ids} · logprob {logprob:.4f} · p {p:.3f} · version {version}"
     return f"<span class=a style='background:{colour}' title='{tip}'>{shown}</span>"
 
 
-def _segment(sample: Sample, decode: Callable[[int], str]) -> str:
-    return "".join(_token(decode(t), t, bool(m), lp, v) for t, m, lp, v in
-                   zip(sample.token_ids, sample.action_mask, sample.rollout_logprobs, sample.versions))
+def token_pieces(token_ids: list[int], decode: Callable[[list[int]], str]) -> list[tuple[int, int, str]]:
+    """``(start, end, text)`` spans covering ``token_ids`` in order, one per token, except that tokens
+    carrying bytes of one character (byte-level BPE splits multi-byte UTF-8) share a span that shows it whole.
+    Each text is read as the difference a token makes after a few tokens of context, as a decoder may treat
+    a lone token differently (a leading space, an incomplete character decoded as U+FFFD)."""
+    pieces: list[tuple[int, int, str]] = []
+    start = 0
+    for end in range(1, len(token_ids) + 1):
+        context = max(0, start - 4)
+        text = decode(token_ids[context:end])
+        if text.endswith("\ufffd") and end < len(token_ids) and end - start < 4:  # UTF-8: at most 4 bytes
+            continue
+        pieces.append((start, end, text[len(decode(token_ids[context:start])):]))
+        start = end
+    return pieces
 
 
-def render(items: list[tuple[str, Trajectory]], decode: Callable[[int], str], title: str) -> str:
-    """The HTML page for ``items``; ``decode`` turns one token id into its text."""
+def _segment(sample: Sample, decode: Callable[[list[int]], str]) -> str:
+    spans = []
+    for start, end, text in token_pieces(sample.token_ids, decode):
+        mask = sample.action_mask[start:end]
+        logprob = sum(lp for lp, m in zip(sample.rollout_logprobs[start:end], mask) if m)  # of the whole span
+        spans.append(_token(text, sample.token_ids[start:end], any(mask), logprob, sample.versions[end - 1]))
+    return "".join(spans)
+
+
+def render(items: list[tuple[str, Trajectory]], decode: Callable[[list[int]], str], title: str) -> str:
+    """The HTML page for ``items``; ``decode`` turns token ids into text."""
     sections = []
     for source, t in items:
         versions = sorted({v for s in t.segments for v, m in zip(s.versions, s.action_mask) if m})
@@ -72,14 +94,7 @@ def write_view(path: str | Path, tokenizer_path: str, out: str | Path | None = N
 
     items = load_dump(path)[:limit]
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    cache: dict[int, str] = {}
-
-    def decode(token_id: int) -> str:
-        if token_id not in cache:
-            cache[token_id] = tokenizer.decode([token_id])
-        return cache[token_id]
-
     path = Path(path)
     target = Path(out) if out else (path if path.is_dir() else path.parent) / "view.html"
-    target.write_text(render(items, decode, f"instar view: {path.name}"))
+    target.write_text(render(items, tokenizer.decode, f"instar view: {path.name}"), encoding="utf-8")
     return target

@@ -84,17 +84,3 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     if not calls:
         return text, []
     return ("".join(kept) + text[last:]).strip(), calls
-
-
-def token_pieces(tokenizer: Any, ids: list[int]) -> list[str]:
-    """The decoded text of ``ids`` split at token boundaries; a token that ends inside a multi-byte
-    character gives an empty piece and the character comes with the token that completes it."""
-    pieces, done = [], ""
-    for i in range(1, len(ids) + 1):
-        text = tokenizer.decode(ids[:i], skip_special_tokens=False)
-        if text.endswith("\ufffd") and i < len(ids):
-            pieces.append("")
-            continue
-        pieces.append(text[len(done):])
-        done = text
-    return pieces

@@ -7,14 +7,13 @@ restored ledger already trained or that waits among the restored (generated, unt
 
 from __future__ import annotations
 
-import json
 import random
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from instar.config import DataConfig
+from instar.data.records import read_records, without_nulls
 
 
 @dataclass
@@ -28,31 +27,19 @@ class Prompt:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-def load_prompts(path: str, cfg: DataConfig) -> list[Prompt]:
-    """Read a JSONL prompt file. A string prompt becomes a user message (plus the system prompt)."""
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"prompt dataset {path!r} not found; set --data.prompt_dataset to a JSONL file")
-    prompts = []
-    with file.open() as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
-            if cfg.input_key not in record:
-                raise KeyError(f"{path}:{line_no}: no {cfg.input_key!r} key (keys: {sorted(record)}); "
-                               f"set --data.input_key")
-            prompts.append(_to_prompt(len(prompts), record, cfg))
-    if not prompts:
-        raise ValueError(f"prompt dataset {path!r} is empty")
-    return prompts
+def load_prompts(source: str, cfg: DataConfig, split: str | None = None,
+                 flag: str = "data.prompt_dataset") -> list[Prompt]:
+    """Every record of a dataset (``instar.data.records``: a file, a directory or a hub name; ``split``
+    defaults to --data.split) as a ``Prompt``. A string prompt becomes a user message (plus the system prompt)."""
+    records = read_records(source, cfg.split if split is None else split, flag)
+    if cfg.input_key not in records[0]:
+        raise ValueError(f"--{flag} {source!r} has no {cfg.input_key!r} column (columns: {sorted(records[0])}); "
+                         "set --data.input_key")
+    return [_to_prompt(index, record, cfg) for index, record in enumerate(records)]
 
 
 def _to_prompt(index: int, record: dict[str, Any], cfg: DataConfig) -> Prompt:
-    value = record[cfg.input_key]
+    value = without_nulls(record[cfg.input_key])
     if isinstance(value, str):
         messages = [{"role": "user", "content": value}]
     elif isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
@@ -63,7 +50,7 @@ def _to_prompt(index: int, record: dict[str, Any], cfg: DataConfig) -> Prompt:
     if cfg.system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
     rest = {k: v for k, v in record.items() if k not in (cfg.input_key, cfg.label_key, cfg.tools_key)}
-    return Prompt(index, messages, record.get(cfg.label_key), record.get(cfg.tools_key), rest)
+    return Prompt(index, messages, record.get(cfg.label_key), without_nulls(record.get(cfg.tools_key)), rest)
 
 
 class PromptStream:

@@ -1,4 +1,4 @@
-"""SFT data: chat-format JSONL conversations as token-level ``Sample``s whose ``action_mask`` marks
+"""SFT data: chat-format conversations as token-level ``Sample``s whose ``action_mask`` marks
 the assistant tokens, the only ones the loss sees.
 
 Assistant spans come from the chat template itself, with no role markers written here: the
@@ -10,11 +10,11 @@ does with template deltas. Pieces between the generation prompt and the end of a
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from instar.contract import NO_VERSION, Sample
 from instar.data.chat import encode, render
+from instar.data.records import read_records, without_nulls
 
 
 class TemplateError(ValueError):
@@ -63,22 +63,20 @@ def conversation_sample(tokenizer: Any, messages: list[dict], tools: list | None
                   versions=[0 if m else NO_VERSION for m in mask])
 
 
-def load_sft_samples(path: str, tokenizer: Any, messages_key: str = "messages", max_len: int | None = None,
-                     tools_key: str = "tools") -> list[Sample]:
-    """Every conversation of a JSONL file (one record per line, a list of chat messages under
-    ``messages_key``, optional tool schemas under ``tools_key``), in file order."""
+def load_sft_samples(source: str, tokenizer: Any, messages_key: str = "messages", max_len: int | None = None,
+                     tools_key: str = "tools", split: str = "train") -> list[Sample]:
+    """Every conversation of a dataset (``instar.data.records``: a file, a directory or a hub name), in
+    order: a list of chat messages under ``messages_key``, optional tool schemas under ``tools_key``."""
     samples: list[Sample] = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if not isinstance(record.get(messages_key), list):
-                raise ValueError(f"{path}:{n} has no message list under {messages_key!r} (keys: {sorted(record)}); "
-                                 "set --sft.messages_key")
-            sample = conversation_sample(tokenizer, record[messages_key], record.get(tools_key), max_len)
-            if sample is not None:
-                samples.append(sample)
+    for n, record in enumerate(read_records(source, split, "sft.dataset")):
+        messages = without_nulls(record.get(messages_key))
+        if not isinstance(messages, list):
+            raise ValueError(f"--sft.dataset {source!r}: record {n} has no message list under {messages_key!r} "
+                             f"(columns: {sorted(record)}); set --sft.messages_key")
+        sample = conversation_sample(tokenizer, messages, without_nulls(record.get(tools_key)), max_len)
+        if sample is not None:
+            samples.append(sample)
     if not samples:
-        raise ValueError(f"{path} holds no conversation with an assistant message; nothing to train on")
+        raise ValueError(f"--sft.dataset {source!r} holds no conversation with an assistant message; "
+                         "nothing to train on")
     return samples

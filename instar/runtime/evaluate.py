@@ -15,7 +15,7 @@ from instar.runtime.pool import group_tasks
 async def evaluate(agents: list[Any], cfg: RLConfig, sampling: SamplingParams, step: int = 0) -> dict[str, float]:
     """Accuracy (mean score) and pass@k over --eval.dataset at --eval.temperature, plus greedy
     accuracy; the trajectories go to --eval.dump_dir when set."""
-    prompts = load_prompts(cfg.eval.dataset, cfg.data)
+    prompts = load_prompts(cfg.eval.dataset, cfg.data, cfg.eval.split, "eval.dataset")
     out, dumped = {}, []
     for name, temp, k in (("eval", cfg.eval.temperature, cfg.eval.n_samples), ("eval_greedy", 0.0, 1)):
         params = sampling.replace(temperature=temp)

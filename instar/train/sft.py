@@ -63,7 +63,8 @@ def eval_loss(worker: TrainWorker, samples: list[Sample]) -> float:
 def _sft_rank(rank: int, world: int, port: int, cfg: SFTConfig) -> dict[str, float]:
     torch.set_num_threads(cpu_threads(world))  # nothing else computes during SFT: the ranks share every core
     tokenizer = load_tokenizer(cfg.actor.model_name_or_path)
-    samples = load_sft_samples(cfg.sft.dataset, tokenizer, cfg.sft.messages_key, cfg.sft.max_len)
+    samples = load_sft_samples(cfg.sft.dataset, tokenizer, cfg.sft.messages_key, cfg.sft.max_len,
+                               split=cfg.sft.split)
     train, held_out = _split(samples, cfg.sft.eval_fraction, cfg.actor.seed)
     steps_per_epoch = len(train) // cfg.sft.batch_size  # the incomplete last batch is dropped
     if steps_per_epoch == 0:
