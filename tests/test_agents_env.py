@@ -70,7 +70,7 @@ async def test_math_env_example_scores_a_single_turn(scripted):
     tok = scripted.tokenizer
     async with hosting(scripted, load_agent(str(EXAMPLES / "math_env.py"))) as (host, _):
         right, wrong = await host.rollout(task("5")), await host.rollout(task("6"))
-    assert (right.reward, right.score, right.info, right.finish_reason) == (1.0, 1.0, {"turns": [{"answered": True}]},
+    assert (right.reward, right.score, right.info, right.finish_reason) == (1.0, 1.0, {"turns": [{"boxed": False}]},
                                                                             "stop")
     assert (wrong.reward, right.rollout_id, right.prompt_index, right.group_id) == (0.0, "r0", 7, 3)
     [seg] = right.segments
@@ -97,7 +97,9 @@ def tool_conversation_ids(tok) -> tuple[list[int], list[int]]:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("example, info", [("calculator_env.py", {"turns": [{"tool": "2+3"}, {"tool": None}]}),
                                            ("openai_tool_agent.py", {"tool_calls": 1}),
-                                           ("anthropic_agent.py", {"turns": 4})])
+                                           ("anthropic_agent.py", {"turns": 4}),
+                                           ("langchain_agent.py", {"tool_calls": 1}),
+                                           ("openai_agents_sdk_agent.py", {"tool_calls": 1})])
 async def test_calculator_examples_record_the_same_tokens_in_every_agent_form(scripted, example, info):
     runner = load_agent(str(EXAMPLES / example))
     async with hosting(scripted, runner) as (host, engine):

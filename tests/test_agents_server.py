@@ -14,6 +14,7 @@ from anthropic import AsyncAnthropic
 from openai import AsyncOpenAI
 
 from instar.agents import ChatServer, SamplingParams
+from instar.contract import Generation
 from instar.data.chat import encode, prompt_ids, render
 from instar.data.tiny_model import TinySpec, build_tiny_model
 from instar.engines import EmbeddedEngine
@@ -93,6 +94,13 @@ class Recorded:
         self.calls.append((list(prompt_token_ids), gen, session_id))
         self.params.append(sampling_params)
         return gen
+
+    async def stream(self, prompt_token_ids, sampling_params, session_id=None):
+        async for item in self.engine.stream(prompt_token_ids, sampling_params, session_id):
+            if isinstance(item, Generation):
+                self.calls.append((list(prompt_token_ids), item, session_id))
+                self.params.append(sampling_params)
+            yield item
 
     def release(self, session_id):
         self.engine.release(session_id)

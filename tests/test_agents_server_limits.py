@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from instar.agents import ChatServer, SamplingParams
 from instar.contract import Generation
 from instar.data.chat import encode, prompt_ids
+from instar.engines.protocol import Sampled
 
 USER = {"role": "user", "content": "What is 2+3?"}
 
@@ -42,6 +43,14 @@ class ScriptedEngine:
                 raise
         n = len(self.reply)
         return Generation(list(self.reply), [-0.5] * n, [7] * n, "stop")
+
+    async def stream(self, prompt_token_ids, sampling_params, session_id=None):
+        gen = await self.generate(prompt_token_ids, sampling_params, session_id)
+        yield Sampled(0, list(gen.token_ids))  # the whole turn at once
+        yield gen
+
+    def release(self, session_id):
+        pass  # nothing is cached per session
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +167,9 @@ BAD_BODIES = [  # (route, body, status, message): each was a plain-text 500 (or 
           "messages.0.content.list[TextPart].0.text: Input should be a valid string"),
     ("messages", {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
      400, "invalid request body: messages.0.content.str: Input should be a valid string; messages.0.content."
-          "list[tagged-union[TextPart,ToolUse,ToolResult]].0: Input tag 'image' found using 'type' does not match "
-          "any of the expected tags: 'text', 'tool_use', 'tool_result'"),
+          "list[tagged-union[TextPart,ToolUse,ToolResult,Thinking,RedactedThinking]].0: Input tag 'image' found using "
+          "'type' does not match any of the expected tags: 'text', 'tool_use', 'tool_result', 'thinking', "
+          "'redacted_thinking'"),
 ]
 
 

@@ -36,27 +36,43 @@ class AgentHost:
         self.server = ChatServer(engine, tokenizer, model_name=model_name, max_len=max_len,
                                  max_new_tokens=max_new_tokens)
         self.dropped: Counter[str] = Counter()
-        self.finished = 0
+        self.finished = self.cancelled = 0
+        self._running: set[asyncio.Task] = set()
+        self._closing = False
 
     async def __aenter__(self) -> AgentHost:
         await self.server.__aenter__()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        """Rollouts still running are cancelled first (counted in ``cancelled``, not as errors), so none of
+        them meets an engine that is shutting down."""
+        self._closing = True
+        for task in self._running:
+            task.cancel()
+        await asyncio.gather(*self._running, return_exceptions=True)
         await self.server.__aexit__(*exc)
 
     async def rollout(self, task: Task) -> Trajectory | None:
         """Run one rollout; None when it was dropped (see ``dropped``)."""
         messages = prompt_messages(task.prompt, self.system_prompt)
         session = self.server.open(task.sampling_params)
+        me = asyncio.current_task()
+        self._running.add(me)
         try:
             result = await asyncio.wait_for(self.runner.rollout(task, messages, session), self.agent_timeout)
+        except asyncio.CancelledError:
+            if not self._closing:
+                raise
+            self.cancelled += 1  # the run is ending: not the agent's fault, and nobody waits for it
+            return None
         except TimeoutError:
             return self._drop("timeout", task, f"exceeded --train.agent_timeout={self.agent_timeout}s")
         except Exception as e:  # user code: log it, drop the rollout, keep the run going
             log.warning("rollout %r dropped: %s raised", task.rollout_id, type(e).__name__, exc_info=True)
             return self._drop(f"error_{type(e).__name__}", task, str(e))
         finally:
+            self._running.discard(me)
             self.server.close(session)
             self.server.engine.release(session.id)  # a Router forgets the session's placement
             self.server.engine.release(session.untraced_id)
@@ -79,7 +95,8 @@ class AgentHost:
         self.dropped[reason] += 1
 
     def metrics(self) -> dict[str, float]:
-        """Counts since start: finished rollouts and dropped ones by reason (timeout, error_<Type>,
-        prompt_too_long, invalid)."""
-        return {"agent/finished": float(self.finished),
+        """Counts since start: finished rollouts, those cancelled at shutdown and dropped ones by reason
+        (timeout, error_<Type>, prompt_too_long, invalid)."""
+        cancelled = {"agent/cancelled": float(self.cancelled)} if self.cancelled else {}
+        return {"agent/finished": float(self.finished), **cancelled,
                 **{f"agent/dropped_{reason}": float(n) for reason, n in sorted(self.dropped.items())}}

@@ -1,12 +1,16 @@
-"""The loopback chat server: OpenAI and Anthropic wire protocols over the session transcripts.
+"""The loopback chat server: the OpenAI (Chat Completions, Responses) and Anthropic wire protocols over
+the session transcripts.
 
 One uvicorn server runs as an asyncio task in the agent-runner process, bound to 127.0.0.1 on a free
-port. Every rollout is a session with a random secret (the agent's ``api_key``). Traced routes
+port; the agents' own code runs on other threads (``api.on_own_thread``), so it never blocks the server.
+Every rollout is a session with a random secret (the agent's ``api_key``). Traced routes
 ``/s/{session}/v1/...`` record into the session's transcript; untraced routes ``/u/{session}/v1/...``
 use the same engine for judge and helper calls and record nothing.
 
 A turn is all or nothing: an engine error, a bad conversation or a client that hangs up (its engine
-request is cancelled) leaves the transcript as it was, so an SDK's automatic retry is exact.
+request is cancelled) leaves the transcript as it was, so an SDK's automatic retry is exact. A streamed
+turn (``stream: true``) sends its text as the engine samples it (`instar.agents.live`); its tokens are
+recorded when the engine has finished it, as any other turn's.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import json
 import secrets
 import socket
 import uuid
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,11 +32,13 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+import instar.agents.responses as responses
 import instar.agents.wire as wire
+from instar.agents.live import Delta, LiveText
 from instar.agents.transcript import Transcript, Turn
 from instar.contract import SamplingParams
-from instar.data.chat import token_pieces
-from instar.engines.protocol import Sampler
+from instar.data.chat import Message
+from instar.engines.protocol import Sampled, Sampler
 
 MAX_SESSIONS = 4096  # open at once per agent runner: each holds a transcript until its rollout ends
 MAX_BODY_BYTES = 8 * 2**20  # a long agent context is ~1 MB of JSON; the body is parsed on the event loop
@@ -50,6 +56,7 @@ class Session:
     root: str
     model_name: str
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    responses: dict[str, list[Message]] = field(default_factory=dict)  # response id -> its conversation
 
     @property
     def base_url(self) -> str:
@@ -181,19 +188,67 @@ def _sampling(session: Session, traced: bool, **asked: Any) -> SamplingParams:
     return session.sampling.replace(**asked)
 
 
-async def _turn(server: ChatServer, session: Session, traced: bool, messages: list, tools: list | None,
-                sampling: SamplingParams, request: Request) -> Turn:
+async def _sample(server: ChatServer, session: Session, traced: bool, messages: list, tools: list | None,
+                  sampling: SamplingParams, on_tokens: Callable[[list[int], Sampled], None] | None = None) -> Turn:
     if messages[-1]["role"] == "assistant":
         raise wire.WireError(400, "the last message is from the assistant; end with a user or tool message "
                                   "(continuing a partial assistant turn is not supported)")
     if traced:
         async with session.lock:
-            return await _unless_disconnected(request, session.transcript.sample(messages, tools, sampling))
+            return await session.transcript.sample(messages, tools, sampling, on_tokens)
     # a throwaway transcript: same engine and template, nothing recorded
-    return await _unless_disconnected(request, server.transcript(session.untraced_id).sample(messages, tools, sampling))
+    return await server.transcript(session.untraced_id).sample(messages, tools, sampling, on_tokens)
 
 
-async def _unless_disconnected(request: Request, sample: Coroutine[Any, Any, Turn]) -> Turn:
+async def _turn(server: ChatServer, session: Session, traced: bool, messages: list, tools: list | None,
+                sampling: SamplingParams, request: Request) -> Turn:
+    return await _unless_disconnected(request, _sample(server, session, traced, messages, tools, sampling))
+
+
+async def _live(server: ChatServer, session: Session, traced: bool, messages: list, tools: list | None,
+                sampling: SamplingParams) -> AsyncIterator[Delta | Turn]:
+    """The turn's text deltas as the engine samples it, then the Turn; closing it early cancels the turn."""
+    text, parts = LiveText(server.tokenizer), asyncio.Queue()
+
+    def on_tokens(prompt_ids: list[int], sampled: Sampled) -> None:
+        for delta in text.add(prompt_ids, sampled):
+            parts.put_nowait(delta)
+
+    turn = asyncio.ensure_future(_sample(server, session, traced, messages, tools, sampling, on_tokens))
+    turn.add_done_callback(lambda _: parts.put_nowait(None))  # after every delta it put
+    try:
+        while (part := await parts.get()) is not None:
+            yield part
+        for part in text.rest(turn.result()):
+            yield part
+        yield turn.result()
+    finally:
+        turn.cancel()  # a no-op once it finished; else the client hung up (and its engine request goes)
+
+
+async def _stream(request: Request, parts: AsyncIterator[Delta | Turn],
+                  events: Callable[[AsyncIterator[Delta | Turn]], AsyncIterator[tuple[str | None, Any]]],
+                  done: bool = False) -> StreamingResponse:
+    """Server-sent ``events`` of a streamed turn. The response starts with the first text (or the end of
+    the turn), so a turn that fails before it gets the protocol's error status."""
+    first = await _unless_disconnected(request, anext(parts))
+
+    async def resumed() -> AsyncIterator[Delta | Turn]:
+        yield first
+        async with contextlib.aclosing(parts):
+            async for part in parts:
+                yield part
+
+    async def lines() -> AsyncIterator[str]:
+        async for name, data in events(resumed()):  # Starlette cancels this when the client hangs up
+            yield (f"event: {name}\n" if name else "") + f"data: {json.dumps(data)}\n\n"
+        if done:
+            yield "data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream")
+
+
+async def _unless_disconnected(request: Request, sample: Awaitable[Any]) -> Any:
     """Run a turn, cancelling it (and so its engine request) when the client hangs up first."""
     async def hang_up() -> None:  # the body is read: the next ASGI message is the disconnect
         while (await request.receive())["type"] != "http.disconnect":
@@ -212,12 +267,6 @@ async def _unless_disconnected(request: Request, sample: Coroutine[Any, Any, Tur
         return turn.result()
     except TemplateError as e:
         raise wire.WireError(400, f"the chat template rejected these messages: {e}") from None
-
-
-def _sse(events: Iterator[tuple[str | None, Any]]) -> StreamingResponse:
-    lines = "".join((f"event: {name}\n" if name else "") + f"data: {d if isinstance(d, str) else json.dumps(d)}\n\n"
-                    for name, d in events)
-    return StreamingResponse(iter([lines]), media_type="text/event-stream")
 
 
 def _error_response(request: Request, e: Exception) -> JSONResponse:
@@ -258,12 +307,13 @@ def build_app(server: ChatServer) -> FastAPI:
             messages, tools = wire.openai_messages(body.messages), wire.openai_tools(body.tools)
             sampling = _sampling(session, traced, temperature=body.temperature, top_p=body.top_p,
                                  max_tokens=body.max_completion_tokens or body.max_tokens, seed=body.seed)
-            turn = await _turn(server, session, traced, messages, tools, sampling, request)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
-            if not body.stream:
-                return wire.openai_response(turn, body.model, rid)
-            chunks = wire.openai_chunks(turn, body.model, rid, await _pieces(server, turn))
-            return _sse(iter([*((None, c) for c in chunks), (None, "[DONE]")]))
+            if body.stream:
+                parts = _live(server, session, traced, messages, tools, sampling)
+                return await _stream(request, parts, lambda p: _unnamed(wire.openai_chunks(p, body.model, rid)),
+                                     done=True)
+            turn = await _turn(server, session, traced, messages, tools, sampling, request)
+            return wire.openai_response(turn, body.model, rid)
         return handler
 
     def messages(traced: bool) -> Callable:
@@ -277,20 +327,52 @@ def build_app(server: ChatServer) -> FastAPI:
             tools = wire.anthropic_tools(body.tools)
             sampling = _sampling(session, traced, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                  max_tokens=body.max_tokens)
-            turn = await _turn(server, session, traced, msgs, tools, sampling, request)
             rid = f"msg_{uuid.uuid4().hex}"
-            if not body.stream:
-                return wire.anthropic_response(turn, body.model, rid)
-            return _sse(wire.anthropic_events(turn, body.model, rid, await _pieces(server, turn)))
+            if body.stream:
+                parts = _live(server, session, traced, msgs, tools, sampling)
+                return await _stream(request, parts, lambda p: wire.anthropic_events(p, body.model, rid))
+            turn = await _turn(server, session, traced, msgs, tools, sampling, request)
+            return wire.anthropic_response(turn, body.model, rid)
+        return handler
+
+    def responses_route(traced: bool) -> Callable:
+        async def handler(session_id: str, request: Request) -> Any:
+            session = _authorize(server, request, session_id)
+            body = await _body(server, request, responses.ResponsesRequest)
+            previous = body.previous_response_id
+            if previous is not None and previous not in session.responses:
+                raise responses.unknown_response(previous)
+            convo = responses.conversation(body, session.responses.get(previous, []))
+            system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+            sampling = _sampling(session, traced, temperature=body.temperature, top_p=body.top_p,
+                                 max_tokens=body.max_output_tokens)
+            rid = f"resp_{uuid.uuid4().hex}"
+            if body.stream:
+                parts = _kept(_live(server, session, traced, system + convo, responses.tools(body), sampling),
+                              session, rid, convo)
+                return await _stream(request, parts, lambda p: responses.events(p, body.model, rid))
+            turn = await _turn(server, session, traced, system + convo, responses.tools(body), sampling, request)
+            session.responses[rid] = [*convo, turn.message]
+            return responses.response(turn, body.model, rid)
         return handler
 
     for prefix, traced in (("/s", True), ("/u", False)):
         app.post(prefix + "/{session_id}/v1/chat/completions")(chat_completions(traced))
         app.post(prefix + "/{session_id}/v1/messages")(messages(traced))
+        app.post(prefix + "/{session_id}/v1/responses")(responses_route(traced))
     return app
 
 
-async def _pieces(server: ChatServer, turn: Turn) -> list[str]:
-    """Stream pieces, off the event loop: decoding every prefix of a long turn takes a while."""
-    ended = turn.finish_reason == "stop" and turn.token_ids
-    return await asyncio.to_thread(token_pieces, server.tokenizer, turn.token_ids[:-1] if ended else turn.token_ids)
+async def _unnamed(chunks: AsyncIterator[dict]) -> AsyncIterator[tuple[None, dict]]:
+    async for chunk in chunks:  # OpenAI's chat stream names no events
+        yield None, chunk
+
+
+async def _kept(parts: AsyncIterator[Delta | Turn], session: Session, response_id: str,
+                convo: list[Message]) -> AsyncIterator[Delta | Turn]:
+    """A streamed response's parts; its conversation is kept for previous_response_id once it is sampled."""
+    async with contextlib.aclosing(parts):
+        async for part in parts:
+            if isinstance(part, Turn):
+                session.responses[response_id] = [*convo, part.message]
+            yield part

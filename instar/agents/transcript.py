@@ -3,7 +3,9 @@
 Given the next full list of chat messages it renders only the template delta, appends its tokens to
 the exact ids sampled so far, asks the engine for the next turn and records the sampled ids with
 action_mask 1, their logprobs and policy versions. Messages that do not extend the previous ones
-(compaction, a template that drops earlier reasoning) seal the segment and open a new one.
+(compaction, a template that drops earlier reasoning) seal the segment and open a new one. An assistant
+turn that comes back re-serialised by the client (whitespace, reasoning moved to its own field or dropped,
+escaped text) is matched to the turn instar sampled at that position and keeps its sampled tokens.
 
 A turn changes the record only once the engine has answered: an engine error or a cancelled request
 leaves it as it was, so a retry samples on exactly the same context.
@@ -12,7 +14,11 @@ leaves it as it was, so a retry samples on exactly the same context.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import html
 import json
+import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -20,7 +26,7 @@ import torch
 
 from instar.contract import NO_VERSION, Generation, Sample, SamplingParams
 from instar.data.chat import Message, continuation_text, encode, parse_tool_calls, prompt_ids
-from instar.engines.protocol import Sampler
+from instar.engines.protocol import Sampled, Sampler
 
 
 @dataclass
@@ -34,6 +40,24 @@ class Turn:
     token_ids: list[int]
     finish_reason: str  # "stop", "length", "abort"
     prompt_tokens: int
+
+
+_THINK = re.compile(r"\s*(?:<think>)?(.*?)</think>\s*", re.DOTALL)  # Qwen-style reasoning at a turn's start
+
+
+def split_reasoning(content: str) -> tuple[str, str]:
+    """A sampled turn's (reasoning, content): the text up to ``</think>`` (the opening tag may be the
+    template's generation prompt, not sampled) and the rest; ("", content) when there is no reasoning."""
+    found = _THINK.match(content)
+    return (found.group(1).strip("\n"), content[found.end():]) if found else ("", content)
+
+
+def _echo_key(message: Message) -> tuple[str, list]:
+    """What a client's re-serialisation of an assistant turn keeps: the letters and digits of its content
+    without reasoning (escapes undone) and its tool calls."""
+    text = html.unescape(split_reasoning(message.get("content") or "")[1])
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
+    return "".join(ch for ch in text if ch.isalnum()), calls
 
 
 @dataclass
@@ -99,12 +123,15 @@ class Transcript:
         self._open, self.messages = None, []
 
     async def sample(self, messages: list[Message], tools: list[dict] | None = None,
-                     sampling: SamplingParams | None = None) -> Turn:
-        """Extend the transcript with ``messages`` (the whole conversation so far) and sample one turn."""
+                     sampling: SamplingParams | None = None,
+                     on_tokens: Callable[[list[int], Sampled], None] | None = None) -> Turn:
+        """Extend the transcript with ``messages`` (the whole conversation so far) and sample one turn.
+        ``on_tokens(prompt_ids, sampled)`` streams it: called as the engine samples, end-of-turn id left out."""
         sampling = sampling or SamplingParams()
         key = json.dumps([messages, tools, asdict(sampling)], sort_keys=True, default=str)
         if self._cache is not None and self._cache[0] == key:
             return self._cache[1]
+        messages = self._with_sampled_turns(messages)
         # Rendering and tokenizing a long conversation takes seconds: off the event loop, so the chat
         # server keeps serving other sessions meanwhile.
         new_ids = await asyncio.to_thread(self._delta_ids, messages, tools)
@@ -120,7 +147,9 @@ class Transcript:
             return turn
         params = sampling.replace(max_tokens=min(sampling.max_tokens, self.max_new_tokens, room),
                                   stop_token_ids=sorted({*sampling.stop_token_ids, *self.stop_token_ids}))
-        gen = await self.engine.generate(context + new_ids, params, self.session_id)
+        prompt = context + new_ids
+        gen = await (self.engine.generate(prompt, params, self.session_id) if on_tokens is None
+                     else self._streamed(prompt, params, on_tokens))
         if not extends:
             self.seal()
             self._open = _Segment()
@@ -128,6 +157,21 @@ class Transcript:
         turn = self._record(self._open, gen, messages, tools)
         self._cache = (key, turn)
         return turn
+
+    async def _streamed(self, prompt: list[int], params: SamplingParams,
+                        on_tokens: Callable[[list[int], Sampled], None]) -> Generation:
+        async with contextlib.aclosing(self.engine.stream(prompt, params, self.session_id)) as items:
+            async for item in items:
+                if isinstance(item, Generation):
+                    return item
+                on_tokens(prompt, Sampled(item.start, [t for t in item.token_ids if t not in self.stop_token_ids]))
+        raise RuntimeError("the engine's stream ended without its Generation")
+
+    def _with_sampled_turns(self, messages: list[Message]) -> list[Message]:
+        """``messages`` with each assistant turn that re-serialises the one recorded at its position
+        replaced by the recorded one, so the history still extends the open segment."""
+        return [old if new.get("role") == old["role"] == "assistant" and _echo_key(new) == _echo_key(old) else new
+                for old, new in zip(self.messages, messages)] + messages[len(self.messages):]
 
     def _delta_ids(self, messages: list[Message], tools: list[dict] | None) -> list[int] | None:
         """Tokens of the template delta when ``messages`` extend the open segment, else None."""

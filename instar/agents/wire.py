@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field
 
-from instar.agents.transcript import Turn
+from instar.agents.live import Delta
+from instar.agents.transcript import Turn, split_reasoning
 from instar.data.chat import Message
 
 INT32 = 2**31 - 1
@@ -30,11 +31,11 @@ class WireError(Exception):
         self.status, self.message = status, message
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
     model_config = ConfigDict(extra="ignore")  # fields instar does not use (metadata, cache_control...)
 
 
-class TextPart(_Body):
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
@@ -42,21 +43,23 @@ class TextPart(_Body):
 Content = str | list[TextPart] | None
 
 
-class FunctionCall(_Body):
+class FunctionCall(Body):
     name: str
     arguments: str | dict[str, Any] = "{}"
 
 
-class ToolCall(_Body):
+class ToolCall(Body):
     id: str = ""
     function: FunctionCall
 
 
-class OpenAIMessage(_Body):
+class OpenAIMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str = ""
+    reasoning_content: str | None = None  # how vLLM and others return reasoning; echoed back by clients
+    reasoning: str | None = None
 
 
 class FunctionSchema(BaseModel):
@@ -64,12 +67,12 @@ class FunctionSchema(BaseModel):
     name: str
 
 
-class OpenAITool(_Body):
+class OpenAITool(Body):
     type: Literal["function"]
     function: FunctionSchema
 
 
-class OpenAIRequest(_Body):
+class OpenAIRequest(Body):
     model: str
     messages: list[OpenAIMessage] = Field(min_length=1)
     tools: list[OpenAITool] | None = None
@@ -83,31 +86,43 @@ class OpenAIRequest(_Body):
     stop: str | list[str] | None = None
 
 
-class ToolUse(_Body):
+class ToolUse(Body):
     type: Literal["tool_use"]
     id: str = ""
     name: str
     input: dict[str, Any]
 
 
-class ToolResult(_Body):
+class Thinking(Body):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""
+
+
+class RedactedThinking(Body):
+    type: Literal["redacted_thinking"]
+    data: str = ""
+
+
+class ToolResult(Body):
     type: Literal["tool_result"]
     tool_use_id: str = ""
     content: Content = None
 
 
-class AnthropicMessage(_Body):
+class AnthropicMessage(Body):
     role: Literal["user", "assistant"]
-    content: str | list[Annotated[TextPart | ToolUse | ToolResult, Field(discriminator="type")]]
+    content: str | list[Annotated[TextPart | ToolUse | ToolResult | Thinking | RedactedThinking,
+                                  Field(discriminator="type")]]
 
 
-class AnthropicTool(_Body):
+class AnthropicTool(Body):
     name: str
     description: str = ""
     input_schema: dict[str, Any] = {"type": "object"}
 
 
-class AnthropicRequest(_Body):
+class AnthropicRequest(Body):
     model: str
     max_tokens: int = Field(ge=1, le=INT32)
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -124,7 +139,7 @@ def _text(content: Content) -> str:
     return content if isinstance(content, str) else "".join(part.text for part in content or [])
 
 
-def _call(call_id: str, name: str, arguments: str | dict, where: str) -> dict:
+def tool_call(call_id: str, name: str, arguments: str | dict, where: str) -> dict:
     if isinstance(arguments, str):
         try:  # pydantic's parser: nesting and lone surrogates are refused as in the body itself
             arguments = pydantic_core.from_json(arguments or "{}")
@@ -135,8 +150,10 @@ def _call(call_id: str, name: str, arguments: str | dict, where: str) -> dict:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _assistant(content: str, calls: list[dict]) -> Message:
-    return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+def _assistant(content: str, calls: list[dict], reasoning: str | None = None) -> Message:
+    """The canonical assistant message; ``reasoning_content`` as HF templates read it (Qwen3's does)."""
+    return {"role": "assistant", "content": content, **({"reasoning_content": reasoning} if reasoning else {}),
+            **({"tool_calls": calls} if calls else {})}
 
 
 def openai_messages(messages: list[OpenAIMessage]) -> list[Message]:
@@ -145,8 +162,9 @@ def openai_messages(messages: list[OpenAIMessage]) -> list[Message]:
         if m.role in ("system", "developer", "user"):
             out.append({"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)})
         elif m.role == "assistant":
-            calls = [_call(c.id, c.function.name, c.function.arguments, f"messages[{i}]") for c in m.tool_calls or []]
-            out.append(_assistant(_text(m.content), calls))
+            calls = [tool_call(c.id, c.function.name, c.function.arguments, f"messages[{i}]")
+                     for c in m.tool_calls or []]
+            out.append(_assistant(_text(m.content), calls, m.reasoning_content or m.reasoning))
         else:
             out.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": _text(m.content)})
     return out
@@ -159,11 +177,11 @@ def anthropic_messages(system: Content, messages: list[AnthropicMessage]) -> lis
         texts = [b for b in blocks if isinstance(b, TextPart)]
         if m.role == "assistant":
             if any(isinstance(b, ToolResult) for b in blocks):
-                raise WireError(400, f"messages[{i}]: assistant blocks must be text or tool_use")
-            calls = [_call(b.id, b.name, b.input, f"messages[{i}]") for b in blocks if isinstance(b, ToolUse)]
-            out.append(_assistant(_text(texts), calls))
+                raise WireError(400, f"messages[{i}]: assistant blocks must be text, thinking or tool_use")
+            calls = [tool_call(b.id, b.name, b.input, f"messages[{i}]") for b in blocks if isinstance(b, ToolUse)]
+            out.append(_assistant(_text(texts), calls, "".join(b.thinking for b in blocks if isinstance(b, Thinking))))
             continue
-        if any(isinstance(b, ToolUse) for b in blocks):
+        if any(isinstance(b, ToolUse | Thinking | RedactedThinking) for b in blocks):
             raise WireError(400, f"messages[{i}]: user blocks must be text or tool_result")
         results = [b for b in blocks if isinstance(b, ToolResult)]
         out += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)} for b in results]
@@ -173,7 +191,11 @@ def anthropic_messages(system: Content, messages: list[AnthropicMessage]) -> lis
 
 
 def openai_tools(tools: list[OpenAITool] | None) -> list[dict] | None:
-    return [{"type": "function", "function": t.function.model_dump()} for t in tools] if tools else None
+    """The schemas as sent, less ``strict``: an API switch for constrained decoding, not part of the tool's
+    description (some frameworks always send it), so the same tool renders the same prompt from any client."""
+    if not tools:
+        return None
+    return [{"type": "function", "function": t.function.model_dump(exclude={"strict"})} for t in tools]
 
 
 def anthropic_tools(tools: list[AnthropicTool] | None) -> list[dict] | None:
@@ -190,8 +212,9 @@ def _finish(turn: Turn, calls: str, length: str, stop: str) -> str:
 def openai_response(turn: Turn, model: str, request_id: str) -> dict:
     calls = [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
              for c in turn.message.get("tool_calls", [])]
-    message = {"role": "assistant", "content": turn.message["content"] or (None if calls else ""),
-               **({"tool_calls": calls} if calls else {})}
+    reasoning, content = split_reasoning(turn.message["content"])
+    message = {"role": "assistant", "content": content or (None if calls else ""),
+               **({"reasoning_content": reasoning} if reasoning else {}), **({"tool_calls": calls} if calls else {})}
     n_out = len(turn.token_ids)
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": message, "logprobs": None,
@@ -200,26 +223,29 @@ def openai_response(turn: Turn, model: str, request_id: str) -> dict:
                       "total_tokens": turn.prompt_tokens + n_out}}
 
 
-def openai_chunks(turn: Turn, model: str, request_id: str, pieces: list[str]) -> Iterator[dict]:
-    """The same response as ``openai_response``, as chat.completion.chunk objects."""
-    full = openai_response(turn, model, request_id)
-    head = {k: full[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+async def openai_chunks(parts: AsyncIterator[Delta | Turn], model: str, request_id: str) -> AsyncIterator[dict]:
+    """The turn as chat.completion.chunk objects while it is sampled (``parts``: its text deltas, then the
+    Turn); they add up to ``openai_response``. Tool calls come with the end of the turn."""
+    head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
 
     def chunk(delta: dict, finish: str | None = None, **extra: Any) -> dict:
         return head | {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]} | extra
 
     yield chunk({"role": "assistant", "content": ""})
-    content = turn.message["content"]
-    for piece in (pieces if content == turn.text else [content]):
-        if piece:
-            yield chunk({"content": piece})
+    async for part in parts:
+        if isinstance(part, Turn):
+            full = openai_response(part, model, request_id)
+            break
+        yield chunk({"reasoning_content" if part.kind == "reasoning" else "content": part.text})
     for i, call in enumerate(full["choices"][0]["message"].get("tool_calls", [])):
         yield chunk({"tool_calls": [{"index": i, **call}]})
     yield chunk({}, full["choices"][0]["finish_reason"], usage=full["usage"])
 
 
 def anthropic_response(turn: Turn, model: str, request_id: str) -> dict:
-    blocks = [{"type": "text", "text": turn.message["content"]}] if turn.message["content"] else []
+    reasoning, content = split_reasoning(turn.message["content"])
+    blocks = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else []
+    blocks += [{"type": "text", "text": content}] if content else []
     blocks += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"], "input": c["function"]["arguments"]}
                for c in turn.message.get("tool_calls", [])]
     return {"id": request_id, "type": "message", "role": "assistant", "model": model, "content": blocks,
@@ -227,25 +253,38 @@ def anthropic_response(turn: Turn, model: str, request_id: str) -> dict:
             "usage": {"input_tokens": turn.prompt_tokens, "output_tokens": len(turn.token_ids)}}
 
 
-def anthropic_events(turn: Turn, model: str, request_id: str, pieces: list[str]) -> Iterator[tuple[str, dict]]:
-    """The same response as ``anthropic_response``, as (event name, data) stream events."""
-    full = anthropic_response(turn, model, request_id)
-    start = full | {"content": [], "stop_reason": None, "usage": full["usage"] | {"output_tokens": 0}}
+async def anthropic_events(parts: AsyncIterator[Delta | Turn], model: str,
+                           request_id: str) -> AsyncIterator[tuple[str, dict]]:
+    """The turn as (event name, data) stream events while it is sampled (``parts``: its text deltas, then
+    the Turn); they add up to ``anthropic_response``. Tool uses come with the end of the turn."""
+    # input_tokens is known once the prompt is rendered; message_delta carries the final usage
+    start = {"id": request_id, "type": "message", "role": "assistant", "model": model, "content": [],
+             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}
     yield "message_start", {"type": "message_start", "message": start}
-    for i, block in enumerate(full["content"]):
-        if block["type"] == "text":
-            yield "content_block_start", {"type": "content_block_start", "index": i,
-                                          "content_block": {"type": "text", "text": ""}}
-            for piece in (pieces if block["text"] == turn.text else [block["text"]]):
-                if piece:
-                    yield "content_block_delta", {"type": "content_block_delta", "index": i,
-                                                  "delta": {"type": "text_delta", "text": piece}}
-        else:
-            yield "content_block_start", {"type": "content_block_start", "index": i,
-                                          "content_block": block | {"input": {}}}
-            yield "content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
-                "type": "input_json_delta", "partial_json": json.dumps(block["input"])}}
-        yield "content_block_stop", {"type": "content_block_stop", "index": i}
+    index, kind = -1, None  # the open block
+    async for part in parts:
+        if isinstance(part, Turn):
+            full = anthropic_response(part, model, request_id)
+            break
+        if part.kind != kind:
+            if kind is not None:
+                yield "content_block_stop", {"type": "content_block_stop", "index": index}
+            index, kind = index + 1, part.kind
+            block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "reasoning" else {
+                "type": "text", "text": ""}
+            yield "content_block_start", {"type": "content_block_start", "index": index, "content_block": block}
+        delta = {"type": "thinking_delta", "thinking": part.text} if kind == "reasoning" else {
+            "type": "text_delta", "text": part.text}
+        yield "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+    if kind is not None:
+        yield "content_block_stop", {"type": "content_block_stop", "index": index}
+    for block in full["content"][index + 1:]:  # the tool uses
+        index += 1
+        yield "content_block_start", {"type": "content_block_start", "index": index,
+                                      "content_block": block | {"input": {}}}
+        yield "content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
+            "type": "input_json_delta", "partial_json": json.dumps(block["input"])}}
+        yield "content_block_stop", {"type": "content_block_stop", "index": index}
     yield "message_delta", {"type": "message_delta", "usage": full["usage"],
                             "delta": {"stop_reason": full["stop_reason"], "stop_sequence": None}}
     yield "message_stop", {"type": "message_stop"}

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +34,7 @@ from torch import nn
 from instar.config import EngineConfig
 from instar.contract import Generation, SamplingParams
 from instar.engines.kv_model import SlotCache, check_supported, forward, is_moe, make_batch
-from instar.engines.protocol import EngineLoad, PauseMode
+from instar.engines.protocol import EngineLoad, PauseMode, Sampled
 from instar.engines.sampling import sample
 
 
@@ -52,6 +52,8 @@ class Request:
     versions: list[int] = field(default_factory=list)
     routed: list[torch.Tensor] = field(default_factory=list)  # (moe_layers, top_k) per routed sampled token
     finish_reason: str | None = None
+    progress: asyncio.Event | None = None  # streamed requests: set on each sampled token and when finished
+    restarts: int = 0  # times pause("restart") dropped what it sampled
 
     @property
     def num_sampled(self) -> int:
@@ -113,16 +115,42 @@ class EmbeddedEngine:
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        session_id: str | None = None) -> Generation:
         """Sample one turn after ``prompt_token_ids``; see `instar.engines.sampling` for which logprob."""
+        request = self._submit(prompt_token_ids, sampling_params, session_id)
+        return await request.future  # a cancelled caller cancels the future; the scheduler then drops it
+
+    async def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                     session_id: str | None = None) -> AsyncIterator[Sampled | Generation]:
+        """`generate`, yielding each step's new tokens as the scheduler samples them."""
+        request = self._submit(prompt_token_ids, sampling_params, session_id, asyncio.Event())
+        sent = restarts = 0
+        try:
+            while True:
+                await request.progress.wait()
+                request.progress.clear()
+                if request.restarts != restarts:
+                    sent, restarts = 0, request.restarts
+                new = request.ids[request.prompt_len + sent:]
+                if new:
+                    yield Sampled(sent, new)
+                    sent += len(new)
+                if request.future.done():
+                    yield request.future.result()
+                    return
+        finally:
+            request.future.cancel()  # a no-op once finished; else the scheduler drops the request
+
+    def _submit(self, prompt_token_ids: list[int], sampling_params: SamplingParams, session_id: str | None,
+                progress: asyncio.Event | None = None) -> Request:
         self._check_prompt(prompt_token_ids)
         self._start()
         seed = sampling_params.seed
         generator = None if seed is None else torch.Generator().manual_seed(seed)
         request = Request(ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids), params=sampling_params,
                           session_id=session_id, generator=generator,
-                          future=asyncio.get_running_loop().create_future())
+                          future=asyncio.get_running_loop().create_future(), progress=progress)
         self._queue.append(request)
         self._wake.set()
-        return await request.future  # a cancelled caller cancels the future; the scheduler then drops it
+        return request
 
     def release(self, session_id: str) -> None:
         self._pop_prefix(session_id)  # its KV cache makes room for live sessions
@@ -139,6 +167,7 @@ class EmbeddedEngine:
             for request in self._running:
                 if request.finish_reason is None:  # (a finished MoE request only awaits its last routing)
                     del request.ids[request.prompt_len:]
+                    request.restarts += 1
                     request.logprobs, request.versions, request.routed = [], [], []
                     request.cached = min(request.cached, request.prompt_len)
         elif mode == "abort":
@@ -229,6 +258,8 @@ class EmbeddedEngine:
             for request in [*self._running, *self._queue]:
                 if not request.future.done():
                     request.future.set_exception(error)
+                if request.progress is not None:
+                    request.progress.set()
 
     @torch.inference_mode()
     def _step(self) -> None:
@@ -283,6 +314,8 @@ class EmbeddedEngine:
             request.ids.append(token)
             request.logprobs.append(logprob)
             request.versions.append(self._version)
+            if request.progress is not None:
+                request.progress.set()
             if token in request.params.stop_token_ids:
                 request.finish_reason = "stop"
             elif request.num_sampled >= request.params.max_tokens or len(request.ids) >= self.max_model_len:
@@ -308,6 +341,8 @@ class EmbeddedEngine:
             self._queue.remove(request)
         if not request.future.done():
             request.future.set_result(self._generation(request))
+        if request.progress is not None:
+            request.progress.set()
 
     def _generation(self, request: Request) -> Generation:
         routed = None

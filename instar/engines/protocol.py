@@ -6,7 +6,7 @@ sampled it, so partial rollouts (weights swapped mid-request) stay exact.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -33,6 +33,15 @@ class EngineLoad:
         return self.queued + self.running
 
 
+@dataclass
+class Sampled:
+    """Tokens a streamed request sampled: its sampled ids from position ``start`` on. ``start`` goes back
+    to 0 when `pause("restart")` samples the turn again from its start."""
+
+    start: int
+    token_ids: list[int]
+
+
 class Sampler(Protocol):
     """What the chat server samples from: one engine, or a `Router` in front of several (and what a
     Router places sessions on)."""
@@ -43,6 +52,12 @@ class Sampler(Protocol):
         or the raw distribution, per ``--engine.logprobs_mode``; defined in `instar.engines.sampling`),
         the policy version that sampled it and, for MoE models, its routed experts (moe_layers, top_k).
         ``session_id`` groups the turns of one rollout (prefix-cache reuse, router affinity)."""
+        ...
+
+    def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+               session_id: str | None = None) -> AsyncIterator[Sampled | Generation]:
+        """`generate`, as the engine samples: `Sampled` increments, then the `Generation` (the record;
+        the increments only show progress). Closing the iterator early cancels the request."""
         ...
 
     def release(self, session_id: str) -> None:

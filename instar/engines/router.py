@@ -12,11 +12,12 @@ actor handle that an agent runner holds (its `load()` is then awaited).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from instar.contract import Generation, SamplingParams
-from instar.engines.protocol import EngineLoad, Sampler
+from instar.engines.protocol import EngineLoad, Sampled, Sampler
 
 
 class Router:
@@ -33,9 +34,22 @@ class Router:
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        session_id: str | None = None) -> Generation:
+        async with self._placed(session_id) as engine:
+            return await engine.generate(prompt_token_ids, sampling_params, session_id)
+
+    async def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                     session_id: str | None = None) -> AsyncIterator[Sampled | Generation]:
+        async with self._placed(session_id) as engine:
+            async with contextlib.aclosing(engine.stream(prompt_token_ids, sampling_params, session_id)) as items:
+                async for item in items:
+                    yield item
+
+    @contextlib.asynccontextmanager
+    async def _placed(self, session_id: str | None) -> AsyncIterator[Sampler]:
+        """The engine of one request, counted in flight while it runs."""
         index = await self._place(session_id)
         try:
-            return await self.engines[index].generate(prompt_token_ids, sampling_params, session_id)
+            yield self.engines[index]
         except Exception:
             if session_id is not None and self.sessions.get(session_id) == index:
                 del self.sessions[session_id]  # its engine may be gone: a retry goes to a live one

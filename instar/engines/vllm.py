@@ -18,11 +18,12 @@ the embedded engine, and every token after the swap is exactly the new policy's.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ import torch
 
 from instar.config import ConfigError, EngineConfig
 from instar.contract import Generation, SamplingParams
-from instar.engines.protocol import EngineLoad, PauseMode
+from instar.engines.protocol import EngineLoad, PauseMode, Sampled
 
 EXTENSION = "instar.engines.vllm_worker.WeightSyncExtension"
 LOGPROBS_MODES = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
@@ -80,8 +81,10 @@ def engine_args(model_path: str | Path, cfg: EngineConfig, device: str, routing_
     )
 
 
-def to_vllm_sampling_params(params: SamplingParams, prompt_len: int, routing_replay: bool = False) -> Any:
-    """Every field that changes sampling, explicitly; vLLM's EOS stop is off (``ignore_eos``)."""
+def to_vllm_sampling_params(params: SamplingParams, prompt_len: int, routing_replay: bool = False,
+                            streamed: bool = False) -> Any:
+    """Every field that changes sampling, explicitly; vLLM's EOS stop is off (``ignore_eos``). A streamed
+    request gets an output per step, each with everything sampled so far."""
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -89,7 +92,8 @@ def to_vllm_sampling_params(params: SamplingParams, prompt_len: int, routing_rep
         n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0), min_p=params.min_p,
         presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, seed=params.seed,
         max_tokens=params.max_tokens, min_tokens=0, stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
-        logprobs=0, detokenize=False, skip_special_tokens=False, output_kind=RequestOutputKind.FINAL_ONLY,
+        logprobs=0, detokenize=False, skip_special_tokens=False,
+        output_kind=RequestOutputKind.CUMULATIVE if streamed else RequestOutputKind.FINAL_ONLY,
         routed_experts_prompt_start=prompt_len if routing_replay else 0,
     )
 
@@ -146,17 +150,35 @@ class VLLMEngine:
                        session_id: str | None = None) -> Generation:
         """Sample one turn after ``prompt_token_ids``. ``session_id`` is not needed: vLLM's prefix cache
         finds a session's earlier turns by their token ids."""
+        async for generation in self._sample(prompt_token_ids, sampling_params, streamed=False):  # noqa: B007
+            pass  # one item: the Generation
+        return generation
+
+    async def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                     session_id: str | None = None) -> AsyncIterator[Sampled | Generation]:
+        """`generate`, yielding each step's new tokens from vLLM's output stream."""
+        async for item in self._sample(prompt_token_ids, sampling_params, streamed=True):
+            yield item
+
+    async def _sample(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                      streamed: bool) -> AsyncIterator[Sampled | Generation]:
         from vllm.inputs import TokensPrompt
 
         self._check_prompt(prompt_token_ids)
-        vllm_params = to_vllm_sampling_params(sampling_params, len(prompt_token_ids), self.routing_replay)
+        vllm_params = to_vllm_sampling_params(sampling_params, len(prompt_token_ids), self.routing_replay, streamed)
         prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
         self._in_flight += 1
         try:
             while True:
-                final, restarts = None, self._restarts
-                async for output in self.llm.generate(prompt, vllm_params, f"instar-{next(self._ids)}"):
-                    final = output  # FINAL_ONLY: one output, when the request finishes
+                final, restarts, sent = None, self._restarts, 0
+                # closed with this generator: vLLM then aborts the request
+                async with contextlib.aclosing(self.llm.generate(prompt, vllm_params,
+                                                                 f"instar-{next(self._ids)}")) as outputs:
+                    async for final in outputs:  # FINAL_ONLY: one output, when the request finishes
+                        new = final.outputs[0].token_ids[sent:]
+                        if streamed and new:
+                            yield Sampled(sent, list(new))
+                            sent += len(new)
                 # cut by pause("restart"): sample the turn again (it queues until resume, new weights)
                 if not (final.outputs[0].finish_reason == "abort" and self._restarts != restarts):
                     break
@@ -165,7 +187,7 @@ class VLLMEngine:
         self.stats["prompt_tokens"] += len(prompt_token_ids)
         self.stats["prefix_hit_tokens"] += final.num_cached_tokens or 0
         self.stats["sampled_tokens"] += len(final.outputs[0].token_ids)
-        return self._generation(final.outputs[0])
+        yield self._generation(final.outputs[0])
 
     def release(self, session_id: str) -> None:
         pass  # vLLM's prefix cache finds a session's turns by their token ids, and evicts them itself

@@ -136,10 +136,12 @@ class Cluster:
             await self.sync_weights(version, keep_in_flight=True)
 
     async def __aexit__(self, *exc: Any) -> None:
-        closing = asyncio.gather(*(a.close.remote() for a in self.agents), *(e.close.remote() for e in self.engines),
-                                 return_exceptions=True)
+        async def closing() -> None:  # agents first: they cancel their rollouts while the engines still answer
+            await asyncio.gather(*(a.close.remote() for a in self.agents), return_exceptions=True)
+            await asyncio.gather(*(e.close.remote() for e in self.engines), return_exceptions=True)
+
         try:  # an engine stuck in a broadcast from a dead trainer rank would answer only at the group's timeout
-            await asyncio.wait_for(closing, CLOSE_TIMEOUT_S)
+            await asyncio.wait_for(closing(), CLOSE_TIMEOUT_S)
         except TimeoutError:
             pass
         for actor in [*self.agents, *self.engines]:  # on a shared cluster they would outlive the run

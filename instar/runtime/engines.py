@@ -8,8 +8,10 @@ every agent runner are continuously batched together. Weights arrive over a dedi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import warnings
+from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
@@ -17,7 +19,7 @@ import torch
 
 from instar.config import EngineConfig
 from instar.contract import Generation, SamplingParams
-from instar.engines.protocol import Engine, EngineLoad, PauseMode
+from instar.engines.protocol import Engine, EngineLoad, PauseMode, Sampled
 from instar.train.launch import cpu_threads
 from instar.train.weight_sync import open_sync_group, receive_weights
 
@@ -61,6 +63,14 @@ class EngineActor:
                        session_id: str | None = None) -> Generation:
         self._check_serving()
         return await self.engine.generate(prompt_token_ids, sampling_params, session_id)
+
+    async def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                     session_id: str | None = None) -> AsyncIterator[Sampled | Generation]:
+        """A Ray streaming generator (an async generator method): one object per item."""
+        self._check_serving()
+        async with contextlib.aclosing(self.engine.stream(prompt_token_ids, sampling_params, session_id)) as items:
+            async for item in items:
+                yield item
 
     async def pause(self, mode: PauseMode = "keep") -> bool:
         """Pause; True when this engine was restarted and has had no weights since: it must join a new
@@ -112,6 +122,15 @@ class RemoteEngine:
         except asyncio.CancelledError:  # a client hung up: Ray does not pass that on by itself
             ray.cancel(ref)
             raise
+
+    async def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                     session_id: str | None = None) -> AsyncIterator[Sampled | Generation]:
+        refs = self.handle.stream.remote(prompt_token_ids, sampling_params, session_id)
+        try:
+            async for ref in refs:
+                yield await ref
+        finally:  # closed early or cancelled: Ray cancels the actor's generator, and so its engine request
+            ray.cancel(refs)
 
     def release(self, session_id: str) -> None:
         self.handle.release.remote(session_id)  # not awaited: nothing waits on it

@@ -1,0 +1,88 @@
+"""A turn's text while the engine samples it: sampled ids in, text deltas out that are sure to be part of
+the finished turn, so a stream can send them before it ends.
+
+What waits: the bytes of an incomplete UTF-8 character; a ``<tool_call>`` and everything after it (a call
+needs its whole text to parse, and is sent when the turn ends); whitespace at either end of the answer
+(stripped when the turn holds a tool call). Reasoning (``<think>``...``</think>``, the opening tag sampled
+or written by the generation prompt) is sent whole once ``</think>`` is sampled; the answer after it
+streams token by token. `LiveText.rest` gives what waited, from the finished turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from instar.agents.transcript import Turn, split_reasoning
+from instar.engines.protocol import Sampled
+
+_TOOL_TAG = "<tool_call>"
+
+
+@dataclass
+class Delta:
+    kind: Literal["reasoning", "content"]
+    text: str
+
+
+class LiveText:
+    """One streamed turn's decoder."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""  # decoded ids[:_read], whole characters only
+        self._prefix = self._read = 0  # decode from _prefix: a tokenizer may write a token differently at the start
+        self.opened: bool | None = None  # the generation prompt ends with <think>
+        self.sent = {"reasoning": "", "content": ""}
+
+    def add(self, prompt_ids: list[int], sampled: Sampled) -> list[Delta]:
+        """The new deltas once ``sampled`` (an increment of the turn's ids) is added."""
+        if self.opened is None:
+            self.opened = self._decode(prompt_ids[-4:]).rstrip().endswith("<think>")
+        if sampled.start != len(self.ids):  # the engine sampled the turn again: decode it from the start
+            del self.ids[sampled.start:]
+            self.text, self._prefix, self._read = "", 0, 0
+        self.ids += sampled.token_ids
+        before = self._decode(self.ids[self._prefix:self._read])
+        now = self._decode(self.ids[self._prefix:])
+        if not now.endswith("\ufffd"):  # else the last token ends inside a character: wait for the rest
+            self.text += now[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+        return self._send(self._safe())
+
+    def rest(self, turn: Turn) -> list[Delta]:
+        """What the finished turn adds to the deltas sent so far."""
+        final = split_reasoning(turn.message["content"])
+        if not all(text.startswith(self.sent[kind]) for kind, text in zip(("reasoning", "content"), final)):
+            raise RuntimeError("the streamed text is not the text of the finished turn (the engine sampled it again "
+                               "after a weight update, or the model closed a reasoning block it never opened); "
+                               "send the same request again: it is answered from the recorded turn")
+        return self._send(final)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _safe(self) -> tuple[str, str]:
+        """(reasoning, content) that the finished turn is sure to begin with."""
+        text = self.text
+        cut = text.find(_TOOL_TAG)
+        if cut < 0:  # a tag may be starting at the end
+            cut = next((i for i in range(max(len(text) - len(_TOOL_TAG), 0), len(text))
+                        if _TOOL_TAG.startswith(text[i:])), len(text))
+        text = text[:cut].rstrip()
+        if "</think>" in text:  # the reasoning is complete (split as the finished turn will be)
+            return split_reasoning(text)
+        start = text.lstrip()[:len("<think>")]
+        if self.opened or "<think>".startswith(start) or text[:1].isspace():
+            return "", ""
+        return "", text
+
+    def _send(self, safe: tuple[str, str]) -> list[Delta]:
+        deltas = []
+        for kind, text in zip(("reasoning", "content"), safe):
+            sent = self.sent[kind]
+            if len(text) > len(sent) and text.startswith(sent):
+                deltas.append(Delta(kind, text[len(sent):]))
+                self.sent[kind] = text
+        return deltas
