@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import copy
 import importlib.util
 import inspect
@@ -113,40 +114,37 @@ class StepEnvRunner:
         self.env_class = env_class
 
     async def rollout(self, task: Task, messages: list[Message], session: Any) -> Result:
-        env = self.env_class()
-        try:
-            return await self._run(env, task, messages, session)
-        finally:
-            await env.close()
-
-    async def _run(self, env: Env, task: Task, messages: list[Message], session: Any) -> Result:
         transcript = session.transcript
         tools = task.tools or self.env_class.tools
         state = {"observation_text": _last_user_text(messages), "action_text": "", "label": task.label,
                  "sampling_params": task.sampling_params, "messages": messages, "turn": 0, "api_key": session.api_key,
                  "untraced_base_url": session.untraced_base_url, "model_name": session.model_name,
                  "untraced_session_url": session.untraced_session_url}
-        observation = (await env.reset(state) or {}).get("observation")
-        if observation is not None:
-            messages = [*messages[:-1], {**messages[-1], "content": observation}]
-            state.update(observation_text=observation, messages=messages)
-        reward, score, infos = 0.0, None, []
-        while True:
-            turn = await transcript.sample(messages, tools, state["sampling_params"])
-            if not turn.token_ids:
-                break  # the observation did not fit in --data.max_len: truncated before sampling
-            # A copy: an env that edits state["messages"] must not rewrite the transcript's history.
-            state.update(action_text=turn.text, messages=copy.deepcopy(transcript.messages), turn=len(infos))
-            result = await env.step(state)
-            reward, infos = reward + result.reward, [*infos, result.info]
-            score = result.score if result.score is not None else score
-            if result.terminated or result.truncated or transcript.truncated:
-                break
-            role = "tool" if turn.message.get("tool_calls") else "user"
-            messages = [*transcript.messages, {"role": role, "content": result.observation}]
-            state.update(observation_text=result.observation,
-                         sampling_params=result.sampling_params or state["sampling_params"])
-        return Result(reward=reward, score=score, info={"turns": infos})
+        env = self.env_class()
+        try:
+            observation = (await env.reset(state) or {}).get("observation")
+            if observation is not None:
+                messages = [*messages[:-1], {**messages[-1], "content": observation}]
+                state.update(observation_text=observation, messages=messages)
+            reward, score, infos = 0.0, None, []
+            while True:
+                turn = await transcript.sample(messages, tools, state["sampling_params"])
+                if not turn.token_ids:
+                    break  # the observation did not fit in --data.max_len: truncated before sampling
+                # A copy: an env that edits state["messages"] must not rewrite the transcript's history.
+                state.update(action_text=turn.text, messages=copy.deepcopy(transcript.messages), turn=len(infos))
+                result = await env.step(state)
+                reward, infos = reward + result.reward, [*infos, result.info]
+                score = result.score if result.score is not None else score
+                if result.terminated or result.truncated or transcript.truncated:
+                    break
+                role = "tool" if turn.message.get("tool_calls") else "user"
+                messages = [*transcript.messages, {"role": role, "content": result.observation}]
+                state.update(observation_text=result.observation,
+                             sampling_params=result.sampling_params or state["sampling_params"])
+            return Result(reward=reward, score=score, info={"turns": infos})
+        finally:
+            await env.close()
 
 
 class ChatAgentRunner:
@@ -174,39 +172,33 @@ class ChatAgentRunner:
 
 async def on_own_thread(run: Callable[[ChatContext], Any], ctx: ChatContext) -> Any:
     """``run(ctx)`` on a new thread, awaited here. The caller's loop serves the chat server and the rollout
-    timeout, so user code must never block it. Cancelling the await cancels an async ``run``'s task; a
-    blocking call cannot be interrupted, so that thread ends on its own (a daemon: it never holds up exit)."""
-    if inspect.iscoroutinefunction(run):
-        loop = asyncio.new_event_loop()
-        done = asyncio.run_coroutine_threadsafe(run(ctx), loop)
-        done.add_done_callback(lambda _: loop.call_soon_threadsafe(loop.stop))
-        threading.Thread(target=_serve, args=(loop,), name="instar-agent", daemon=True).start()
-        return await asyncio.wrap_future(done)
+    timeout, so user code must never block it. An async ``run`` runs under `asyncio.run` there, and
+    cancelling the await cancels its task; a blocking call cannot be interrupted, so that thread ends on
+    its own (a daemon: it never holds up exit)."""
+    inner: concurrent.futures.Future = concurrent.futures.Future()  # an async run's loop and task
+
+    async def main() -> Any:
+        inner.set_result((asyncio.get_running_loop(), asyncio.current_task()))
+        return await run(ctx)
+
     result: concurrent.futures.Future = concurrent.futures.Future()
 
     def call() -> None:
         if result.set_running_or_notify_cancel():  # else timed out before the thread started
             try:
-                result.set_result(run(ctx))
+                result.set_result(asyncio.run(main()) if inspect.iscoroutinefunction(run) else run(ctx))
             except BaseException as e:  # handed to the awaiting side, like any outcome
                 result.set_exception(e)
 
     threading.Thread(target=call, name="instar-agent", daemon=True).start()
-    return await asyncio.wrap_future(result)
-
-
-def _serve(loop: asyncio.AbstractEventLoop) -> None:
-    """Run ``loop`` until its rollout is done, then cancel what the agent left running, as asyncio.run does."""
-    asyncio.set_event_loop(loop)
     try:
-        loop.run_forever()
-        left = asyncio.all_tasks(loop)
-        for task in left:
-            task.cancel()
-        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
-        loop.run_until_complete(loop.shutdown_asyncgens())
-    finally:
-        loop.close()
+        return await asyncio.wrap_future(result)
+    except asyncio.CancelledError:
+        if inner.done():
+            loop, task = inner.result()
+            with contextlib.suppress(RuntimeError):  # its loop closed already: nothing left to cancel
+                loop.call_soon_threadsafe(task.cancel)
+        raise
 
 
 class AgentLoadError(ValueError):

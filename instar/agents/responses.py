@@ -18,7 +18,7 @@ from pydantic import Field
 
 from instar.agents.live import Delta
 from instar.agents.transcript import Turn, split_reasoning
-from instar.agents.wire import INT32, Body, WireError, tool_call
+from instar.agents.wire import INT32, BaseRequest, Body, WireError, text_of, tool_call
 from instar.data.chat import Message
 
 
@@ -47,20 +47,12 @@ class FunctionTool(Body):
     parameters: dict[str, Any] | None = None
 
 
-class ResponsesRequest(Body):
-    model: str
+class ResponsesRequest(BaseRequest):
     input: str | list[Item]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     previous_response_id: str | None = None
-    stream: bool = False
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
     max_output_tokens: int | None = Field(None, ge=1, le=INT32)
-
-
-def _text(content: str | list[Part] | None) -> str:
-    return content if isinstance(content, str) else "".join(part.text for part in content or [])
 
 
 def conversation(body: ResponsesRequest, history: list[Message]) -> list[Message]:
@@ -72,21 +64,21 @@ def conversation(body: ResponsesRequest, history: list[Message]) -> list[Message
     for i, item in enumerate(items):
         if item.type == "function_call_output":
             turn = None
-            out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": text_of(item.output)})
         elif item.type == "message" and item.role != "assistant":
             turn = None
-            out.append({"role": "system" if item.role == "developer" else item.role, "content": _text(item.content)})
+            out.append({"role": "system" if item.role == "developer" else item.role, "content": text_of(item.content)})
         else:
             if turn is None or item.type == "reasoning":
                 turn = {"role": "assistant", "content": ""}
                 out.append(turn)
             if item.type == "reasoning":
-                turn["reasoning_content"] = _text(item.content) or _text(item.summary)
+                turn["reasoning_content"] = text_of(item.content) or text_of(item.summary)
             elif item.type == "function_call":
                 call = tool_call(item.call_id, item.name, item.arguments, f"input[{i}]")
                 turn.setdefault("tool_calls", []).append(call)
             else:
-                turn["content"] += _text(item.content)
+                turn["content"] += text_of(item.content)
     return out
 
 
@@ -173,24 +165,20 @@ async def events(parts: AsyncIterator[Delta | Turn], model: str, response_id: st
         if isinstance(part, Turn):
             full = response(part, model, response_id)
             break
+        now = []
         if not live or live[-1][0] != part.kind:
             if live:  # the item before is complete
-                kind, text = live[-1]
-                for e in closed(len(live) - 1, _text_item(kind, response_id, text)):
-                    yield e
+                now += closed(len(live) - 1, _text_item(live[-1][0], response_id, live[-1][1]))
             live.append((part.kind, ""))
-            for e in opened(len(live) - 1, _text_item(part.kind, response_id, "")):
-                yield e
+            now += opened(len(live) - 1, _text_item(part.kind, response_id, ""))
         live[-1] = (part.kind, live[-1][1] + part.text)
-        yield delta(len(live) - 1, _text_item(part.kind, response_id, ""), part.text)
+        for e in [*now, delta(len(live) - 1, _text_item(part.kind, response_id, ""), part.text)]:
+            yield e
     for i, item in enumerate(full["output"]):
-        if i >= len(live):  # sent whole: function calls, an empty answer
-            for e in [*opened(i, item), delta(i, item, item["arguments"] if item["type"] == "function_call"
-                                              else item["content"][0]["text"])]:
-                yield e
-        if i >= len(live) - 1:
-            for e in closed(i, item):
-                yield e
+        whole = item["arguments"] if item["type"] == "function_call" else item["content"][0]["text"]
+        now = [*opened(i, item), delta(i, item, whole)] if i >= len(live) else []  # function calls, an empty answer
+        for e in now + (closed(i, item) if i >= len(live) - 1 else []):
+            yield e
     yield event(f"response.{full['status']}", response=full)
 
 

@@ -53,33 +53,18 @@ class Session:
     api_key: str
     transcript: Transcript
     sampling: SamplingParams
-    root: str
     model_name: str
+    base_url: str  # OpenAI SDK ``base_url``
+    session_url: str  # Anthropic SDK ``base_url`` (the SDK appends /v1/messages)
+    untraced_base_url: str  # the same for calls that are not recorded
+    untraced_session_url: str
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     responses: dict[str, list[Message]] = field(default_factory=dict)  # response id -> its conversation
-
-    @property
-    def base_url(self) -> str:
-        """OpenAI SDK ``base_url``."""
-        return f"{self.root}/s/{self.id}/v1"
-
-    @property
-    def session_url(self) -> str:
-        """Anthropic SDK ``base_url`` (the SDK appends /v1/messages)."""
-        return f"{self.root}/s/{self.id}"
 
     @property
     def untraced_id(self) -> str:
         """The engine session id of this session's untraced calls (router placement, prefix cache)."""
         return f"{self.id}/untraced"
-
-    @property
-    def untraced_base_url(self) -> str:
-        return f"{self.root}/u/{self.id}/v1"
-
-    @property
-    def untraced_session_url(self) -> str:
-        return f"{self.root}/u/{self.id}"
 
 
 class _Server(uvicorn.Server):
@@ -135,8 +120,9 @@ class ChatServer:
                                "session when its rollout ends (ChatServer.close), run fewer rollouts per runner at "
                                "once, or raise ChatServer(max_sessions=...)")
         sid = uuid.uuid4().hex
-        session = Session(sid, secrets.token_urlsafe(24), self.transcript(sid), sampling or SamplingParams(), self.root,
-                          self.model_name)
+        traced, untraced = f"{self.root}/s/{sid}", f"{self.root}/u/{sid}"
+        session = Session(sid, secrets.token_urlsafe(24), self.transcript(sid), sampling or SamplingParams(),
+                          self.model_name, f"{traced}/v1", traced, f"{untraced}/v1", untraced)
         self.sessions[sid] = session
         return session
 
@@ -188,33 +174,16 @@ def _sampling(session: Session, traced: bool, **asked: Any) -> SamplingParams:
     return session.sampling.replace(**asked)
 
 
-async def _sample(server: ChatServer, session: Session, traced: bool, messages: list, tools: list | None,
-                  sampling: SamplingParams, on_tokens: Callable[[list[int], Sampled], None] | None = None) -> Turn:
-    if messages[-1]["role"] == "assistant":
-        raise wire.WireError(400, "the last message is from the assistant; end with a user or tool message "
-                                  "(continuing a partial assistant turn is not supported)")
-    if traced:
-        async with session.lock:
-            return await session.transcript.sample(messages, tools, sampling, on_tokens)
-    # a throwaway transcript: same engine and template, nothing recorded
-    return await server.transcript(session.untraced_id).sample(messages, tools, sampling, on_tokens)
-
-
-async def _turn(server: ChatServer, session: Session, traced: bool, messages: list, tools: list | None,
-                sampling: SamplingParams, request: Request) -> Turn:
-    return await _unless_disconnected(request, _sample(server, session, traced, messages, tools, sampling))
-
-
-async def _live(server: ChatServer, session: Session, traced: bool, messages: list, tools: list | None,
-                sampling: SamplingParams) -> AsyncIterator[Delta | Turn]:
-    """The turn's text deltas as the engine samples it, then the Turn; closing it early cancels the turn."""
-    text, parts = LiveText(server.tokenizer), asyncio.Queue()
+async def _live(tokenizer: Any, sample: Callable[..., Awaitable[Turn]]) -> AsyncIterator[Delta | Turn]:
+    """The text deltas of the turn ``sample(on_tokens)`` samples, as the engine samples it, then the Turn;
+    closing it early cancels the turn."""
+    text, parts = LiveText(tokenizer), asyncio.Queue()
 
     def on_tokens(prompt_ids: list[int], sampled: Sampled) -> None:
         for delta in text.add(prompt_ids, sampled):
             parts.put_nowait(delta)
 
-    turn = asyncio.ensure_future(_sample(server, session, traced, messages, tools, sampling, on_tokens))
+    turn = asyncio.ensure_future(sample(on_tokens))
     turn.add_done_callback(lambda _: parts.put_nowait(None))  # after every delta it put
     try:
         while (part := await parts.get()) is not None:
@@ -227,10 +196,11 @@ async def _live(server: ChatServer, session: Session, traced: bool, messages: li
 
 
 async def _stream(request: Request, parts: AsyncIterator[Delta | Turn],
-                  events: Callable[[AsyncIterator[Delta | Turn]], AsyncIterator[tuple[str | None, Any]]],
-                  done: bool = False) -> StreamingResponse:
-    """Server-sent ``events`` of a streamed turn. The response starts with the first text (or the end of
-    the turn), so a turn that fails before it gets the protocol's error status."""
+                  events: Callable[[AsyncIterator[Delta | Turn]], AsyncIterator[tuple[str | None, Any]]]
+                  ) -> StreamingResponse:
+    """Server-sent ``events`` (name or None, data: JSON, or a string sent as it is) of a streamed turn. The
+    response starts with the first text (or the end of the turn), so a turn that fails before it gets the
+    protocol's error status."""
     first = await _unless_disconnected(request, anext(parts))
 
     async def resumed() -> AsyncIterator[Delta | Turn]:
@@ -241,9 +211,8 @@ async def _stream(request: Request, parts: AsyncIterator[Delta | Turn],
 
     async def lines() -> AsyncIterator[str]:
         async for name, data in events(resumed()):  # Starlette cancels this when the client hangs up
-            yield (f"event: {name}\n" if name else "") + f"data: {json.dumps(data)}\n\n"
-        if done:
-            yield "data: [DONE]\n\n"
+            data = data if isinstance(data, str) else json.dumps(data)
+            yield (f"event: {name}\n" if name else "") + f"data: {data}\n\n"
 
     return StreamingResponse(lines(), media_type="text/event-stream")
 
@@ -283,6 +252,44 @@ def _error_response(request: Request, e: Exception) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status)
 
 
+def _chat_completions(session: Session, traced: bool, body: wire.OpenAIRequest) -> tuple:
+    if body.stop:
+        raise wire.WireError(400, "stop strings are not supported: a turn ends at the template's end-of-turn token")
+    messages = wire.openai_messages(body.messages)
+    sampling = _sampling(session, traced, temperature=body.temperature, top_p=body.top_p,
+                         max_tokens=body.max_completion_tokens or body.max_tokens, seed=body.seed)
+    return messages, wire.openai_tools(body.tools), sampling, None
+
+
+def _messages(session: Session, traced: bool, body: wire.AnthropicRequest) -> tuple:
+    if body.stop_sequences:
+        raise wire.WireError(400, "stop_sequences are not supported: a turn ends at the template's end-of-turn token")
+    messages = wire.anthropic_messages(body.system, body.messages)
+    sampling = _sampling(session, traced, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                         max_tokens=body.max_tokens)
+    return messages, wire.anthropic_tools(body.tools), sampling, None
+
+
+def _responses(session: Session, traced: bool, body: responses.ResponsesRequest) -> tuple:
+    previous = body.previous_response_id
+    if previous is not None and previous not in session.responses:
+        raise responses.unknown_response(previous)
+    convo = responses.conversation(body, session.responses.get(previous, []))
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    sampling = _sampling(session, traced, temperature=body.temperature, top_p=body.top_p,
+                         max_tokens=body.max_output_tokens)
+    return system + convo, responses.tools(body), sampling, convo
+
+
+# path, request body, its reading (messages, tools, sampling and the conversation a later previous_response_id
+# continues, or None), the response, the stream events, the response id's prefix
+_PROTOCOLS = (
+    ("chat/completions", wire.OpenAIRequest, _chat_completions, wire.openai_response, wire.openai_chunks, "chatcmpl-"),
+    ("messages", wire.AnthropicRequest, _messages, wire.anthropic_response, wire.anthropic_events, "msg_"),
+    ("responses", responses.ResponsesRequest, _responses, responses.response, responses.events, "resp_"),
+)
+
+
 def build_app(server: ChatServer) -> FastAPI:
     app = FastAPI(title="instar loopback chat server", openapi_url=None, docs_url=None, redoc_url=None)
 
@@ -294,85 +301,34 @@ def build_app(server: ChatServer) -> FastAPI:
                                             "owned_by": "instar"}]}
 
     app.get("/v1/models")(models)
-    app.get("/s/{session_id}/v1/models")(models)
-    app.get("/u/{session_id}/v1/models")(models)
 
-    def chat_completions(traced: bool) -> Callable:
+    def route(traced: bool, body_model: type[BaseModel], read: Callable, respond: Callable, events: Callable,
+              id_prefix: str) -> Callable:
         async def handler(session_id: str, request: Request) -> Any:
             session = _authorize(server, request, session_id)
-            body = await _body(server, request, wire.OpenAIRequest)
-            if body.stop:
-                raise wire.WireError(400, "stop strings are not supported: a turn ends at the template's "
-                                          "end-of-turn token")
-            messages, tools = wire.openai_messages(body.messages), wire.openai_tools(body.tools)
-            sampling = _sampling(session, traced, temperature=body.temperature, top_p=body.top_p,
-                                 max_tokens=body.max_completion_tokens or body.max_tokens, seed=body.seed)
-            rid = f"chatcmpl-{uuid.uuid4().hex}"
-            if body.stream:
-                parts = _live(server, session, traced, messages, tools, sampling)
-                return await _stream(request, parts, lambda p: _unnamed(wire.openai_chunks(p, body.model, rid)),
-                                     done=True)
-            turn = await _turn(server, session, traced, messages, tools, sampling, request)
-            return wire.openai_response(turn, body.model, rid)
-        return handler
+            body = await _body(server, request, body_model)
+            messages, tools, sampling, kept = read(session, traced, body)
+            if messages[-1]["role"] == "assistant":
+                raise wire.WireError(400, "the last message is from the assistant; end with a user or tool message "
+                                          "(continuing a partial assistant turn is not supported)")
+            rid = f"{id_prefix}{uuid.uuid4().hex}"
 
-    def messages(traced: bool) -> Callable:
-        async def handler(session_id: str, request: Request) -> Any:
-            session = _authorize(server, request, session_id)
-            body = await _body(server, request, wire.AnthropicRequest)
-            if body.stop_sequences:
-                raise wire.WireError(400, "stop_sequences are not supported: a turn ends at the template's "
-                                          "end-of-turn token")
-            msgs = wire.anthropic_messages(body.system, body.messages)
-            tools = wire.anthropic_tools(body.tools)
-            sampling = _sampling(session, traced, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                 max_tokens=body.max_tokens)
-            rid = f"msg_{uuid.uuid4().hex}"
-            if body.stream:
-                parts = _live(server, session, traced, msgs, tools, sampling)
-                return await _stream(request, parts, lambda p: wire.anthropic_events(p, body.model, rid))
-            turn = await _turn(server, session, traced, msgs, tools, sampling, request)
-            return wire.anthropic_response(turn, body.model, rid)
-        return handler
+            async def sample(on_tokens: Callable[[list[int], Sampled], None] | None = None) -> Turn:
+                # untraced: a throwaway transcript, same engine and template, nothing recorded
+                transcript = session.transcript if traced else server.transcript(session.untraced_id)
+                async with session.lock if traced else contextlib.nullcontext():
+                    turn = await transcript.sample(messages, tools, sampling, on_tokens)
+                if kept is not None:  # the Responses API: what a later previous_response_id continues
+                    session.responses[rid] = [*kept, turn.message]
+                return turn
 
-    def responses_route(traced: bool) -> Callable:
-        async def handler(session_id: str, request: Request) -> Any:
-            session = _authorize(server, request, session_id)
-            body = await _body(server, request, responses.ResponsesRequest)
-            previous = body.previous_response_id
-            if previous is not None and previous not in session.responses:
-                raise responses.unknown_response(previous)
-            convo = responses.conversation(body, session.responses.get(previous, []))
-            system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-            sampling = _sampling(session, traced, temperature=body.temperature, top_p=body.top_p,
-                                 max_tokens=body.max_output_tokens)
-            rid = f"resp_{uuid.uuid4().hex}"
             if body.stream:
-                parts = _kept(_live(server, session, traced, system + convo, responses.tools(body), sampling),
-                              session, rid, convo)
-                return await _stream(request, parts, lambda p: responses.events(p, body.model, rid))
-            turn = await _turn(server, session, traced, system + convo, responses.tools(body), sampling, request)
-            session.responses[rid] = [*convo, turn.message]
-            return responses.response(turn, body.model, rid)
+                return await _stream(request, _live(server.tokenizer, sample), lambda p: events(p, body.model, rid))
+            return respond(await _unless_disconnected(request, sample()), body.model, rid)
         return handler
 
     for prefix, traced in (("/s", True), ("/u", False)):
-        app.post(prefix + "/{session_id}/v1/chat/completions")(chat_completions(traced))
-        app.post(prefix + "/{session_id}/v1/messages")(messages(traced))
-        app.post(prefix + "/{session_id}/v1/responses")(responses_route(traced))
+        app.get(prefix + "/{session_id}/v1/models")(models)
+        for path, *protocol in _PROTOCOLS:
+            app.post(f"{prefix}/{{session_id}}/v1/{path}")(route(traced, *protocol))
     return app
-
-
-async def _unnamed(chunks: AsyncIterator[dict]) -> AsyncIterator[tuple[None, dict]]:
-    async for chunk in chunks:  # OpenAI's chat stream names no events
-        yield None, chunk
-
-
-async def _kept(parts: AsyncIterator[Delta | Turn], session: Session, response_id: str,
-                convo: list[Message]) -> AsyncIterator[Delta | Turn]:
-    """A streamed response's parts; its conversation is kept for previous_response_id once it is sampled."""
-    async with contextlib.aclosing(parts):
-        async for part in parts:
-            if isinstance(part, Turn):
-                session.responses[response_id] = [*convo, part.message]
-            yield part

@@ -79,11 +79,10 @@ class _Segment:
 
     def to_sample(self) -> Sample:
         known = next((r for r in self.routed if r is not None), None)
-        routed = None
-        if known is not None:
-            # The engine reports the experts of the tokens it sampled; -1 marks template tokens, whose
-            # routing the trainer computes itself (the protocol does not return prefill routing).
-            routed = torch.stack([r if r is not None else torch.full_like(known, -1) for r in self.routed])
+        # The engine reports the experts of the tokens it sampled; -1 marks template tokens, whose
+        # routing the trainer computes itself (the protocol does not return prefill routing).
+        routed = None if known is None else torch.stack([torch.full_like(known, -1) if r is None else r
+                                                         for r in self.routed])
         return Sample(list(self.token_ids), list(self.action_mask), list(self.rollout_logprobs),
                       list(self.versions), routed_experts=routed)
 
@@ -137,8 +136,7 @@ class Transcript:
         new_ids = await asyncio.to_thread(self._delta_ids, messages, tools)
         extends = new_ids is not None
         context = list(self._open.token_ids) if extends else []
-        if new_ids is None:
-            new_ids = await asyncio.to_thread(prompt_ids, self.tokenizer, messages, tools)
+        new_ids = new_ids if extends else await asyncio.to_thread(prompt_ids, self.tokenizer, messages, tools)
         room = self.max_len - len(context) - len(new_ids)
         if room <= 0:  # not even the observation fits: the rollout ends here
             self.truncated, self.last_finish_reason = True, "length"
@@ -188,10 +186,8 @@ class Transcript:
         self._ended = bool(ids) and ids[-1] in self.stop_token_ids
         text = self.tokenizer.decode(ids[:-1] if self._ended else ids, skip_special_tokens=False)
         content, calls = parse_tool_calls(text)
-        message: Message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [{"id": f"call_{self._turns}_{i}", "type": "function", "function": c}
-                                     for i, c in enumerate(calls)]
+        calls = [{"id": f"call_{self._turns}_{i}", "type": "function", "function": c} for i, c in enumerate(calls)]
+        message: Message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
         self._turns += 1
         self.messages, self._tools = [*messages, message], tools
         self.last_finish_reason = gen.finish_reason

@@ -35,6 +35,15 @@ class Body(BaseModel):
     model_config = ConfigDict(extra="ignore")  # fields instar does not use (metadata, cache_control...)
 
 
+class BaseRequest(Body):
+    """What every protocol's request has."""
+
+    model: str
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+
+
 class TextPart(Body):
     type: Literal["text"]
     text: str
@@ -72,13 +81,9 @@ class OpenAITool(Body):
     function: FunctionSchema
 
 
-class OpenAIRequest(Body):
-    model: str
+class OpenAIRequest(BaseRequest):
     messages: list[OpenAIMessage] = Field(min_length=1)
     tools: list[OpenAITool] | None = None
-    stream: bool = False
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
     max_tokens: int | None = Field(None, ge=1, le=INT32)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32)
     seed: int | None = Field(None, ge=-2**63, lt=2**63)  # what torch and vLLM generators take
@@ -122,20 +127,17 @@ class AnthropicTool(Body):
     input_schema: dict[str, Any] = {"type": "object"}
 
 
-class AnthropicRequest(Body):
-    model: str
+class AnthropicRequest(BaseRequest):
     max_tokens: int = Field(ge=1, le=INT32)
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: Content = None
     tools: list[AnthropicTool] | None = None
-    stream: bool = False
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, le=INT32)
     stop_sequences: list[str] | None = None
 
 
-def _text(content: Content) -> str:
+def text_of(content: str | list[Any] | None) -> str:
+    """A content's text: a string, or the concatenated ``text`` of its parts."""
     return content if isinstance(content, str) else "".join(part.text for part in content or [])
 
 
@@ -160,18 +162,18 @@ def openai_messages(messages: list[OpenAIMessage]) -> list[Message]:
     out = []
     for i, m in enumerate(messages):
         if m.role in ("system", "developer", "user"):
-            out.append({"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)})
+            out.append({"role": "system" if m.role == "developer" else m.role, "content": text_of(m.content)})
         elif m.role == "assistant":
             calls = [tool_call(c.id, c.function.name, c.function.arguments, f"messages[{i}]")
                      for c in m.tool_calls or []]
-            out.append(_assistant(_text(m.content), calls, m.reasoning_content or m.reasoning))
+            out.append(_assistant(text_of(m.content), calls, m.reasoning_content or m.reasoning))
         else:
-            out.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": _text(m.content)})
+            out.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": text_of(m.content)})
     return out
 
 
 def anthropic_messages(system: Content, messages: list[AnthropicMessage]) -> list[Message]:
-    out = [{"role": "system", "content": _text(system)}] if system else []
+    out = [{"role": "system", "content": text_of(system)}] if system else []
     for i, m in enumerate(messages):
         blocks = [TextPart(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         texts = [b for b in blocks if isinstance(b, TextPart)]
@@ -179,14 +181,15 @@ def anthropic_messages(system: Content, messages: list[AnthropicMessage]) -> lis
             if any(isinstance(b, ToolResult) for b in blocks):
                 raise WireError(400, f"messages[{i}]: assistant blocks must be text, thinking or tool_use")
             calls = [tool_call(b.id, b.name, b.input, f"messages[{i}]") for b in blocks if isinstance(b, ToolUse)]
-            out.append(_assistant(_text(texts), calls, "".join(b.thinking for b in blocks if isinstance(b, Thinking))))
+            thinking = "".join(b.thinking for b in blocks if isinstance(b, Thinking))
+            out.append(_assistant(text_of(texts), calls, thinking))
             continue
         if any(isinstance(b, ToolUse | Thinking | RedactedThinking) for b in blocks):
             raise WireError(400, f"messages[{i}]: user blocks must be text or tool_result")
         results = [b for b in blocks if isinstance(b, ToolResult)]
-        out += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)} for b in results]
+        out += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": text_of(b.content)} for b in results]
         if texts or not results:
-            out.append({"role": "user", "content": _text(texts)})
+            out.append({"role": "user", "content": text_of(texts)})
     return out
 
 
@@ -223,13 +226,15 @@ def openai_response(turn: Turn, model: str, request_id: str) -> dict:
                       "total_tokens": turn.prompt_tokens + n_out}}
 
 
-async def openai_chunks(parts: AsyncIterator[Delta | Turn], model: str, request_id: str) -> AsyncIterator[dict]:
-    """The turn as chat.completion.chunk objects while it is sampled (``parts``: its text deltas, then the
-    Turn); they add up to ``openai_response``. Tool calls come with the end of the turn."""
+async def openai_chunks(parts: AsyncIterator[Delta | Turn], model: str, request_id: str) -> AsyncIterator[tuple]:
+    """The turn as (no event name, chat.completion.chunk) stream events while it is sampled (``parts``: its
+    text deltas, then the Turn), ending with [DONE]; they add up to ``openai_response``. Tool calls come with
+    the end of the turn."""
     head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
 
-    def chunk(delta: dict, finish: str | None = None, **extra: Any) -> dict:
-        return head | {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]} | extra
+    def chunk(delta: dict, finish: str | None = None, **extra: Any) -> tuple[None, dict]:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return None, head | {"choices": [choice]} | extra
 
     yield chunk({"role": "assistant", "content": ""})
     async for part in parts:
@@ -240,6 +245,7 @@ async def openai_chunks(parts: AsyncIterator[Delta | Turn], model: str, request_
     for i, call in enumerate(full["choices"][0]["message"].get("tool_calls", [])):
         yield chunk({"tool_calls": [{"index": i, **call}]})
     yield chunk({}, full["choices"][0]["finish_reason"], usage=full["usage"])
+    yield None, "[DONE]"
 
 
 def anthropic_response(turn: Turn, model: str, request_id: str) -> dict:
@@ -257,10 +263,13 @@ async def anthropic_events(parts: AsyncIterator[Delta | Turn], model: str,
                            request_id: str) -> AsyncIterator[tuple[str, dict]]:
     """The turn as (event name, data) stream events while it is sampled (``parts``: its text deltas, then
     the Turn); they add up to ``anthropic_response``. Tool uses come with the end of the turn."""
+    def event(name: str, **data: Any) -> tuple[str, dict]:
+        return name, {"type": name, **data}
+
     # input_tokens is known once the prompt is rendered; message_delta carries the final usage
     start = {"id": request_id, "type": "message", "role": "assistant", "model": model, "content": [],
              "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}
-    yield "message_start", {"type": "message_start", "message": start}
+    yield event("message_start", message=start)
     index, kind = -1, None  # the open block
     async for part in parts:
         if isinstance(part, Turn):
@@ -268,23 +277,21 @@ async def anthropic_events(parts: AsyncIterator[Delta | Turn], model: str,
             break
         if part.kind != kind:
             if kind is not None:
-                yield "content_block_stop", {"type": "content_block_stop", "index": index}
+                yield event("content_block_stop", index=index)
             index, kind = index + 1, part.kind
             block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "reasoning" else {
                 "type": "text", "text": ""}
-            yield "content_block_start", {"type": "content_block_start", "index": index, "content_block": block}
+            yield event("content_block_start", index=index, content_block=block)
         delta = {"type": "thinking_delta", "thinking": part.text} if kind == "reasoning" else {
             "type": "text_delta", "text": part.text}
-        yield "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+        yield event("content_block_delta", index=index, delta=delta)
     if kind is not None:
-        yield "content_block_stop", {"type": "content_block_stop", "index": index}
+        yield event("content_block_stop", index=index)
     for block in full["content"][index + 1:]:  # the tool uses
         index += 1
-        yield "content_block_start", {"type": "content_block_start", "index": index,
-                                      "content_block": block | {"input": {}}}
-        yield "content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-            "type": "input_json_delta", "partial_json": json.dumps(block["input"])}}
-        yield "content_block_stop", {"type": "content_block_stop", "index": index}
-    yield "message_delta", {"type": "message_delta", "usage": full["usage"],
-                            "delta": {"stop_reason": full["stop_reason"], "stop_sequence": None}}
-    yield "message_stop", {"type": "message_stop"}
+        yield event("content_block_start", index=index, content_block=block | {"input": {}})
+        partial = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        yield event("content_block_delta", index=index, delta=partial)
+        yield event("content_block_stop", index=index)
+    yield event("message_delta", usage=full["usage"], delta={"stop_reason": full["stop_reason"], "stop_sequence": None})
+    yield event("message_stop")

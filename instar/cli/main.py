@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import re
 import sys
 import typing
 from collections.abc import Callable, Sequence
@@ -17,11 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
-from jsonargparse import ArgumentParser, Namespace, set_parsing_settings
+from jsonargparse import ArgumentParser, set_parsing_settings
 
 from instar.checks import check
 from instar.config import ALIASES, ConfigError, RLConfig, SFTConfig
-from instar.data.records import source_kind
+from instar.data.records import HUB_NAME, source_kind
 from instar.data.tiny_model import TinySpec, build_tiny_model
 from instar.version import __version__
 
@@ -79,9 +78,6 @@ def _run_report(args: ReportArgs) -> None:
     print(f"eval accuracy: before={summary['eval accuracy before']} after={summary['eval accuracy after']}")
 
 
-_HUB_NAME = re.compile(r"\w[\w.-]*(/\w[\w.-]*)?")  # `name` or `org/name`, e.g. Qwen/Qwen3-0.6B
-
-
 def _check_inputs(cfg: RLConfig) -> None:
     """Missing files, or an agent module that does not load, fail here in seconds rather than inside
     a Ray actor minutes later."""
@@ -93,7 +89,7 @@ def _check_inputs(cfg: RLConfig) -> None:
               "actor.ref_model_name_or_path": cfg.actor.ref_model_name_or_path,
               "critic.model_name_or_path": cfg.critic.model_name_or_path}
     for flag, path in models.items():
-        if path and not os.path.exists(path) and not _HUB_NAME.fullmatch(path):
+        if path and not os.path.exists(path) and not HUB_NAME.fullmatch(path):
             raise ConfigError(f"--{flag} {path!r} does not exist and is not a hub model name (like "
                               "Qwen/Qwen3-0.6B); give an HF checkpoint directory")
     for flag, source in {"data.prompt_dataset": cfg.data.prompt_dataset, "eval.dataset": cfg.eval.dataset}.items():
@@ -158,19 +154,11 @@ def _outside_event_loop(fn: Callable[[RLConfig], dict[str, float]], cfg: RLConfi
         return pool.submit(fn, cfg).result()
 
 
-def _run_rl(cfg: RLConfig) -> None:
-    rl(cfg)
-
-
 def _run_eval(cfg: RLConfig) -> None:
     metrics = evaluate(cfg)
     for key, value in metrics.items():
         print(f"{key}: {value:g}")
     print(f"eval accuracy: {metrics['eval/accuracy']:g} (greedy {metrics['eval_greedy/accuracy']:g})")
-
-
-def _run_sft(cfg: SFTConfig) -> None:
-    sft(cfg)
 
 
 def _run_tiny_model(args: TinyModelArgs) -> None:
@@ -185,8 +173,8 @@ def _run_tiny_model(args: TinyModelArgs) -> None:
 
 
 COMMANDS: dict[str, tuple[type, Callable]] = {
-    "rl": (RLConfig, _run_rl),
-    "sft": (SFTConfig, _run_sft),
+    "rl": (RLConfig, rl),
+    "sft": (SFTConfig, sft),
     "eval": (RLConfig, _run_eval),
     "tiny-model": (TinyModelArgs, _run_tiny_model),
     "report": (ReportArgs, _run_report),
@@ -209,11 +197,10 @@ def build_parser() -> ArgumentParser:
 def parse(argv: list[str]) -> tuple[str, object]:
     """Parse a command line into (command, config dataclass); raises SystemExit with a message on bad input."""
     parser = build_parser()
-    argv = _normalise(argv)
-    ns = parser.parse_args(argv)
-    name = ns.command
-    cls = COMMANDS[name][0]
-    return name, _to_dataclass(cls, parser.instantiate(ns)[name])
+    ns = parser.parse_args(_normalise(argv))
+    # jsonargparse instantiates the nested config dataclasses; the command's own one is built here
+    cls, values = COMMANDS[ns.command][0], parser.instantiate(ns)[ns.command]
+    return ns.command, cls(**{f.name: values.get(f.name) for f in dataclasses.fields(cls)})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -222,19 +209,6 @@ def main(argv: list[str] | None = None) -> None:
         COMMANDS[name][1](cfg)
     except ConfigError as e:
         sys.exit(f"instar {name}: {e}")
-
-
-def _to_dataclass(cls: type, ns: Namespace | object) -> object:
-    if not isinstance(ns, Namespace):
-        return ns
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        value = ns.get(f.name)
-        if dataclasses.is_dataclass(hints[f.name]):
-            value = _to_dataclass(hints[f.name], value) if value is not None else hints[f.name]()
-        kwargs[f.name] = value
-    return cls(**kwargs)
 
 
 def _normalise(argv: list[str]) -> list[str]:

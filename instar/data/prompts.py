@@ -103,8 +103,7 @@ class PromptStream:
     def load_state_dict(self, state: dict[str, Any], pending: list[tuple[int, int]] = ()) -> None:
         """Restart the recorded epoch from its beginning, skipping what was trained, rejected or is pending:
         whatever was in flight when the run died is simply handed out again."""
-        self.epoch, self.cursor = state["epoch"], 0
-        self.floor = state["epoch"]
+        self.epoch, self.cursor, self.floor = state["epoch"], 0, state["epoch"]
         self.trained = {tuple(k) for k in state["trained"]}
         self.rejected = {tuple(k) for k in state["rejected"]}
         self.skip = set(pending)

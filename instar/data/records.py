@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-_HUB_NAME = re.compile(r"\w[\w.-]*(/\w[\w.-]*)?")  # `name` or `org/name`, e.g. openai/gsm8k
+HUB_NAME = re.compile(r"\w[\w.-]*(/\w[\w.-]*)?")  # `name` or `org/name`, e.g. openai/gsm8k, Qwen/Qwen3-0.6B
 
 
 def source_kind(source: str, flag: str) -> Literal["file", "dir", "hub"]:
@@ -25,7 +25,7 @@ def source_kind(source: str, flag: str) -> Literal["file", "dir", "hub"]:
         return "file"
     if path.is_dir():
         return "dir"
-    if path.suffix.lower() in FORMATS or not _HUB_NAME.fullmatch(source):
+    if path.suffix.lower() in FORMATS or not HUB_NAME.fullmatch(source):
         raise ValueError(f"--{flag} {source!r} does not exist; give a {', '.join(FORMATS)} file, a directory "
                          "of them or a Hugging Face dataset name (like openai/gsm8k)")
     return "hub"
@@ -51,9 +51,8 @@ def read_records(source: str, split: str, flag: str) -> list[dict[str, Any]]:
         raise ValueError(f"--{flag} {source!r} is not a local file or directory and the Hugging Face hub could not "
                          f"be reached ({e}); run where the hub is reachable, or download the data and give its "
                          "file or directory") from None
-    except datasets.exceptions.DatasetNotFoundError as e:
-        raise ValueError(f"--{flag} {source!r}: {e}") from None
-    except ValueError as e:  # an unknown or empty split (the message names the splits there are)
+    # ValueError: an unknown or empty split (the message names the splits there are)
+    except (datasets.exceptions.DatasetNotFoundError, ValueError) as e:
         raise ValueError(f"--{flag} {source!r}: {e}") from None
     return table.to_list()  # an empty split failed above (`datasets`: "corresponds to no data")
 

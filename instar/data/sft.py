@@ -31,9 +31,7 @@ def _extend(done: str, text: str, where: str) -> str:
 def tokenize_conversation(tokenizer: Any, messages: list[dict],
                           tools: list | None = None) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation and a 0/1 mask of the assistant tokens."""
-    ids: list[int] = []
-    mask: list[int] = []
-    done = ""
+    ids, mask, done = [], [], ""  # token ids, their 0/1 assistant mask, the text rendered so far
 
     def append(text: str, trainable: int) -> None:
         piece = encode(tokenizer, text) if text else []

@@ -98,8 +98,7 @@ def build_tiny_model(out_dir: str | Path, spec: TinySpec | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec)
     tokenizer.save_pretrained(out)
-    model = build_model(spec, tokenizer)
-    model.save_pretrained(out)
+    build_model(spec, tokenizer).save_pretrained(out)
     (out / "instar_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=1, sort_keys=True) + "\n")
     return out
 

@@ -22,6 +22,7 @@ sampled token is routed too; `Generation.routed_experts[i]` is the routing of sa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -34,7 +35,7 @@ from torch import nn
 from instar.config import EngineConfig
 from instar.contract import Generation, SamplingParams
 from instar.engines.kv_model import SlotCache, check_supported, forward, is_moe, make_batch
-from instar.engines.protocol import EngineLoad, PauseMode, Sampled
+from instar.engines.protocol import EngineLoad, PauseMode, Sampled, check_prompt
 from instar.engines.sampling import sample
 
 
@@ -115,8 +116,8 @@ class EmbeddedEngine:
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        session_id: str | None = None) -> Generation:
         """Sample one turn after ``prompt_token_ids``; see `instar.engines.sampling` for which logprob."""
-        request = self._submit(prompt_token_ids, sampling_params, session_id)
-        return await request.future  # a cancelled caller cancels the future; the scheduler then drops it
+        # a cancelled caller cancels the future; the scheduler then drops the request
+        return await self._submit(prompt_token_ids, sampling_params, session_id).future
 
     async def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                      session_id: str | None = None) -> AsyncIterator[Sampled | Generation]:
@@ -141,13 +142,11 @@ class EmbeddedEngine:
 
     def _submit(self, prompt_token_ids: list[int], sampling_params: SamplingParams, session_id: str | None,
                 progress: asyncio.Event | None = None) -> Request:
-        self._check_prompt(prompt_token_ids)
+        check_prompt(prompt_token_ids, self.model.config.vocab_size, self.max_model_len, "max_position_embeddings")
         self._start()
-        seed = sampling_params.seed
-        generator = None if seed is None else torch.Generator().manual_seed(seed)
-        request = Request(ids=list(prompt_token_ids), prompt_len=len(prompt_token_ids), params=sampling_params,
-                          session_id=session_id, generator=generator,
-                          future=asyncio.get_running_loop().create_future(), progress=progress)
+        generator = None if sampling_params.seed is None else torch.Generator().manual_seed(sampling_params.seed)
+        request = Request(list(prompt_token_ids), len(prompt_token_ids), sampling_params, session_id, generator,
+                          asyncio.get_running_loop().create_future(), progress=progress)
         self._queue.append(request)
         self._wake.set()
         return request
@@ -160,10 +159,9 @@ class EmbeddedEngine:
         sampled again from its start after `resume`; abort: finish every request now with finish_reason
         "abort"; wait: admit nothing new and return once the running requests have finished. New
         requests queue up in every mode until `resume`."""
-        if mode == "keep":
-            self._paused = True
-        elif mode == "restart":
-            self._paused = True
+        if mode not in ("keep", "restart", "abort", "wait"):
+            raise ValueError(f"pause mode must be 'keep', 'restart', 'abort' or 'wait', got {mode!r}")
+        if mode == "restart":
             for request in self._running:
                 if request.finish_reason is None:  # (a finished MoE request only awaits its last routing)
                     del request.ids[request.prompt_len:]
@@ -171,7 +169,6 @@ class EmbeddedEngine:
                     request.logprobs, request.versions, request.routed = [], [], []
                     request.cached = min(request.cached, request.prompt_len)
         elif mode == "abort":
-            self._paused = True
             for request in [*self._running, *self._queue]:
                 self._finish(request, request.finish_reason or "abort")
         elif mode == "wait":
@@ -180,9 +177,7 @@ class EmbeddedEngine:
                 self._wake.set()
             while self._running and self._error is None:
                 await asyncio.sleep(0.001)
-            self._paused = True
-        else:
-            raise ValueError(f"pause mode must be 'keep', 'restart', 'abort' or 'wait', got {mode!r}")
+        self._paused = True
 
     async def resume(self) -> None:
         self._paused, self._admitting = False, True
@@ -225,10 +220,8 @@ class EmbeddedEngine:
         await self.pause("abort")
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None
 
     # -- the scheduler ---------------------------------------------------------------------------
@@ -263,7 +256,8 @@ class EmbeddedEngine:
 
     @torch.inference_mode()
     def _step(self) -> None:
-        self._drop_cancelled()
+        for request in [r for r in (*self._running, *self._queue) if r.future.cancelled()]:
+            self._finish(request, "abort")
         while self._admitting and self._queue and self._free_slots:
             request = self._queue.popleft()
             request.slot = self._free_slots.pop()
@@ -354,10 +348,6 @@ class EmbeddedEngine:
         return Generation(token_ids=request.ids[request.prompt_len:], logprobs=request.logprobs,
                           versions=request.versions, finish_reason=request.finish_reason, routed_experts=routed)
 
-    def _drop_cancelled(self) -> None:
-        for request in [r for r in (*self._running, *self._queue) if r.future.cancelled()]:
-            self._finish(request, "abort")
-
     # -- prefix cache ----------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -389,20 +379,8 @@ class EmbeddedEngine:
             request.cached = n
             self.stats["prefix_hit_tokens"] += n
 
-    def _check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("generate needs a non-empty prompt_token_ids")
-        vocab = self.model.config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            bad = next(t for t in ids if not 0 <= t < vocab)
-            raise ValueError(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the model allows at most {self.max_model_len - 1} "
-                             "before the first sampled token (max_position_embeddings)")
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    return next(i for i in range(n) if a[i] != b[i])
+    return n if a[:n] == b[:n] else next(i for i in range(n) if a[i] != b[i])

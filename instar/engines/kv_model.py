@@ -52,15 +52,10 @@ class SlotCache:
         self.k = [torch.zeros(self.shape, dtype=self.dtype) for _ in model.model.layers]
         self.v = [torch.zeros(self.shape, dtype=self.dtype) for _ in model.model.layers]
 
-    @property
-    def capacity(self) -> int:
-        return self.shape[2]
-
     def reserve(self, length: int) -> None:
-        if length <= self.capacity:
+        if length <= self.shape[2]:
             return
-        capacity = max(length, 2 * self.capacity)
-        self.shape = (*self.shape[:2], capacity, self.shape[3])
+        self.shape = (*self.shape[:2], max(length, 2 * self.shape[2]), self.shape[3])
         for kv in (self.k, self.v):
             for i, old in enumerate(kv):
                 kv[i] = torch.zeros(self.shape, dtype=self.dtype)
@@ -156,12 +151,6 @@ def attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return attn.o_proj(out.reshape(tokens, -1))
 
 
-def moe_mlp(mlp: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF's sparse MoE block over packed tokens (N, hidden), returning the routed expert ids (N, top_k) too."""
-    _, weights, experts = mlp.gate(x)
-    return mlp.experts(x, experts, weights), experts
-
-
 @torch.inference_mode()
 def forward(model: nn.Module, cache: SlotCache, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run a batch's new tokens through ``model``, writing their keys and values into ``cache``.
@@ -175,11 +164,11 @@ def forward(model: nn.Module, cache: SlotCache, batch: Batch) -> tuple[torch.Ten
     for i, layer in enumerate(inner.layers):
         h = h + attention(layer.self_attn, layer.input_layernorm(h), cos, sin, cache, i, batch)
         x = layer.post_attention_layernorm(h)
-        if is_moe(layer):
-            out, experts = moe_mlp(layer.mlp, x)
+        if is_moe(layer):  # HF's sparse MoE block, keeping the routed expert ids (N, top_k)
+            _, weights, experts = layer.mlp.gate(x)
+            h = h + layer.mlp.experts(x, experts, weights)
             routed.append(experts)
         else:
-            out = layer.mlp(x)
-        h = h + out
+            h = h + layer.mlp(x)
     logits = model.lm_head(inner.norm(h[batch.last]))
     return logits, torch.stack(routed, dim=1) if routed else None

@@ -42,6 +42,18 @@ class Sampled:
     token_ids: list[int]
 
 
+def check_prompt(ids: list[int], vocab: int, max_len: int, max_len_name: str) -> None:
+    """Refuse a prompt an engine cannot sample after: empty, out of the vocabulary, or leaving no room."""
+    if not ids:
+        raise ValueError("generate needs a non-empty prompt_token_ids")
+    if min(ids) < 0 or max(ids) >= vocab:
+        bad = next(t for t in ids if not 0 <= t < vocab)
+        raise ValueError(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})")
+    if len(ids) >= max_len:
+        raise ValueError(f"prompt has {len(ids)} tokens; the engine allows at most {max_len - 1} before the first "
+                         f"sampled token ({max_len_name})")
+
+
 class Sampler(Protocol):
     """What the chat server samples from: one engine, or a `Router` in front of several (and what a
     Router places sessions on)."""

@@ -78,7 +78,8 @@ class Router:
         loads: list[EngineLoad | None] = []
         for engine in self.engines:  # one at a time: an in-process engine's load() then never suspends
             try:
-                loads.append(await _value(engine.load()))
+                load = engine.load()
+                loads.append(await load if inspect.isawaitable(load) else load)
             except Exception:
                 loads.append(None)
         return loads
@@ -93,7 +94,3 @@ class Router:
     async def load(self) -> EngineLoad:
         loads = [x for x in await self._loads() if x is not None]
         return EngineLoad(queued=sum(x.queued for x in loads), running=sum(x.running for x in loads))
-
-
-async def _value(x):
-    return await x if inspect.isawaitable(x) else x

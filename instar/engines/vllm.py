@@ -31,7 +31,7 @@ import torch
 
 from instar.config import ConfigError, EngineConfig
 from instar.contract import Generation, SamplingParams
-from instar.engines.protocol import EngineLoad, PauseMode, Sampled
+from instar.engines.protocol import EngineLoad, PauseMode, Sampled, check_prompt
 
 EXTENSION = "instar.engines.vllm_worker.WeightSyncExtension"
 LOGPROBS_MODES = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
@@ -154,17 +154,16 @@ class VLLMEngine:
             pass  # one item: the Generation
         return generation
 
-    async def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                     session_id: str | None = None) -> AsyncIterator[Sampled | Generation]:
+    def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+               session_id: str | None = None) -> AsyncIterator[Sampled | Generation]:
         """`generate`, yielding each step's new tokens from vLLM's output stream."""
-        async for item in self._sample(prompt_token_ids, sampling_params, streamed=True):
-            yield item
+        return self._sample(prompt_token_ids, sampling_params, streamed=True)
 
     async def _sample(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                       streamed: bool) -> AsyncIterator[Sampled | Generation]:
         from vllm.inputs import TokensPrompt
 
-        self._check_prompt(prompt_token_ids)
+        check_prompt(prompt_token_ids, self._vocab, self._max_model_len, "max_model_len")
         vllm_params = to_vllm_sampling_params(sampling_params, len(prompt_token_ids), self.routing_replay, streamed)
         prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
         self._in_flight += 1
@@ -281,16 +280,6 @@ class VLLMEngine:
                                "and vLLM running its Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)?")
         top_k = self.llm.model_config.hf_config.num_experts_per_tok
         return routed_per_token(out.routed_experts, num_tokens, self._moe_layers, top_k)
-
-    def _check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("generate needs a non-empty prompt_token_ids")
-        bad = next((t for t in ids if not 0 <= t < self._vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the model's vocabulary [0, {self._vocab})")
-        if len(ids) >= self._max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the engine allows at most {self._max_model_len - 1} "
-                             "before the first sampled token (max_model_len)")
 
 
 def moe_layers(hf_config: Any) -> list[int]:
