@@ -7,12 +7,13 @@ next step; impossible layouts are refused naming the fix."""
 import pytest
 import torch
 from layouts import TOL, check_equals_one_rank, full, make_sample, make_worker, rl_two_steps, step, train_job
+from routes import record_routes
 
 from instar.checks import check_layout
 from instar.config import ConfigError, FSDPConfig
 from instar.train.launch import free_port, run_ranks
 from instar.train.model import forward_logits
-from instar.train.moe import record_routes, replay_routes, routers
+from instar.train.moe import replay_routes, routers
 
 LENGTHS = [7, 12, 5, 9, 3, 10, 4, 8]
 # R3 routes unlike the router's own: 2 distinct of the 4 experts per token and layer, at random

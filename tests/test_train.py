@@ -5,12 +5,13 @@ import math
 
 import pytest
 import torch
+from routes import record_routes
 from transformers import AutoModelForCausalLM
 
 from instar.contract import Sample
 from instar.train.batch import StepInputs, collate, plan_micro_batches, shard_samples
-from instar.train.model import ChunkedLogprobs, forward_logits, load_model, next_token_logprobs
-from instar.train.moe import freeze_routers, record_routes, replay_routes, routers
+from instar.train.model import ChunkedLogprobs, forward_logits, load_model, next_token_logprobs, token_logprobs
+from instar.train.moe import freeze_routers, replay_routes, routers
 from instar.train.optim import build_optimizer, lr_factor
 
 
@@ -80,31 +81,23 @@ def test_packed_attention_gradients_match_transformers_masked_attention(tiny_mod
         torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def _full_softmax(logits, input_ids, temperature, with_entropy, positions):
+def _full_softmax(logits, targets, temperature, with_entropy):
     """The unchunked formula: one float32 log-softmax over all rows, entropy through autograd."""
     logp = torch.log_softmax(logits[0].float() / temperature, dim=-1)
-    target = torch.roll(input_ids[0], -1) if positions is None else input_ids[0, positions + 1]
-    token_logp = logp.gather(-1, target[:, None]).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
-    if positions is None:
-        return token_logp, entropy
-    spread = lambda v: v.new_zeros(input_ids.shape[1]).index_put((positions,), v)  # noqa: E731
-    return spread(token_logp), spread(entropy) if with_entropy else None
+    return logp.gather(-1, targets[:, None]).squeeze(-1), entropy
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("with_entropy", [True, False])
-@pytest.mark.parametrize("at_positions", [False, True])
-def test_chunked_logprobs_equal_one_full_softmax(dtype, temperature, with_entropy, at_positions):
+def test_chunked_logprobs_equal_one_full_softmax(dtype, temperature, with_entropy):
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 50, (1, 40), generator=gen)
-    positions = torch.tensor([0, 3, 4, 5, 11, 12, 20, 21, 22, 23, 30, 38]) if at_positions else None
-    rows = 40 if positions is None else len(positions)
-    logits = (3 * torch.randn(1, rows, 50, generator=gen)).to(dtype).requires_grad_()
+    targets = torch.randint(0, 50, (40,), generator=gen)
+    logits = (3 * torch.randn(1, 40, 50, generator=gen)).to(dtype).requires_grad_()
     w_logp, w_entropy = torch.randn(40, generator=gen), torch.randn(40, generator=gen)
-    chunked = next_token_logprobs(logits, ids, temperature, with_entropy, positions, chunk_tokens=7)  # 7 ∤ rows
-    full = _full_softmax(logits, ids, temperature, with_entropy, positions)
+    chunked = token_logprobs(logits, targets, temperature, with_entropy, chunk_tokens=7)  # 7 does not divide 40
+    full = _full_softmax(logits, targets, temperature, with_entropy)
     # the same float32 arithmetic per row: chunking changes no value
     assert torch.equal(chunked[0], full[0])
     assert torch.equal(chunked[1], full[1]) if with_entropy else chunked[1] is None
@@ -145,7 +138,7 @@ def test_logprob_backward_keeps_no_vocab_sized_tensor_but_the_logits():
         saved.append(t)
         return t
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        logp, entropy = next_token_logprobs(logits, torch.randint(0, 300, (1, 64)), 0.9, chunk_tokens=16)
+        logp, entropy = token_logprobs(logits, torch.randint(0, 300, (64,)), 0.9, chunk_tokens=16)
     big = [t for t in saved if t.numel() >= 64 * 300]
     assert len(big) == 1 and big[0].data_ptr() == logits.data_ptr() and big[0].dtype == logits.dtype
     assert max(t.numel() for t in saved if t is not big[0]) == 64  # per-row targets and entropies

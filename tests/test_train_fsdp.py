@@ -172,7 +172,9 @@ def test_hf_export_loads_in_transformers_with_the_trainers_logprobs(two_ranks):
 
 
 def test_worker_replays_recorded_routes_and_freezes_the_router(tiny_moe_dir):
-    from instar.train.moe import record_routes, routers
+    from routes import record_routes
+
+    from instar.train.moe import routers
 
     w = TrainWorker(ActorConfig(model_name_or_path=str(tiny_moe_dir), learning_rate=1e-2, freeze_moe_router=True),
                     FSDPConfig(num_ranks=1), TrainConfig(max_tokens_per_gpu=64, routing_replay=True))

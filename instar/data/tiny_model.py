@@ -17,34 +17,10 @@ import torch
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                   "<tool_response>", "</tool_response>", "<think>", "</think>"]
 
-# HF renders templates with trim_blocks, which eats a newline right after a tag: those are written
-# as {{ '\\n' }}. ChatML in the Qwen convention: tools listed in the system turn, calls as JSON inside
-# <tool_call> tags in the assistant turn, consecutive tool results grouped into one user turn.
-CHAT_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n"
-    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
-    "# Tools\n\nYou may call functions. Their signatures are within <tools></tools>:\n<tools>"
-    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
-    "To call one, reply with a JSON object within <tool_call></tool_call> tags:\n"
-    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
-    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
-    "{% endif %}"
-    "{% for message in messages %}"
-    "{% if message.role == 'system' and loop.first %}"
-    "{% elif message.role in ('user', 'system') %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
-    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content or '' }}"
-    "{% for tc in message.tool_calls or [] %}{% set f = tc.function if tc.function is defined else tc %}"
-    "{% if message.content or not loop.first %}{{ '\\n' }}{% endif %}"
-    "<tool_call>\n{\"name\": \"{{ f.name }}\", \"arguments\": "
-    "{{ f.arguments if f.arguments is string else f.arguments | tojson }}}\n</tool_call>"
-    "{% endfor %}<|im_end|>\n"
-    "{% elif message.role == 'tool' %}"
-    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
-    "{{ '\\n' }}<tool_response>\n{{ message.content }}\n</tool_response>"
-    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# chat_template.jinja: ChatML in the Qwen convention: tools listed in the system turn, calls as JSON inside
+# <tool_call> tags in the assistant turn, consecutive tool results grouped into one user turn. HF renders
+# templates with trim_blocks, which eats a newline right after a tag: those are written as {{ '\n' }}.
+CHAT_TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text()
 
 
 @dataclass

@@ -264,20 +264,10 @@ def _bounds_for(model: nn.Module, position_ids: torch.Tensor) -> dict[str, Any]:
 
 
 def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
-                        with_entropy: bool = True, positions: torch.Tensor | None = None,
-                        chunk_tokens: int = CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per position t of a plain row: logprob of token t+1 under the logits at t (and the entropy of that
-    distribution). The last position (no next token) and sequence ends are garbage the caller drops.
-    With ``positions`` the logits are only those rows (see `forward_logits`); every other position of
-    the ``[N]`` results holds 0."""
-    target = torch.roll(input_ids[0], -1) if positions is None else input_ids[0, positions + 1]
-    token_logp, entropy = token_logprobs(logits, target, temperature, with_entropy, chunk_tokens)
-    if positions is None:
-        return token_logp, entropy
-
-    def spread(values: torch.Tensor) -> torch.Tensor:
-        return values.new_zeros(input_ids.shape[1]).index_put((positions,), values)
-    return spread(token_logp), spread(entropy) if entropy is not None else None
+                        with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per position t of a plain row ``[1, N]``: logprob of token t+1 under the logits at t (and the entropy
+    of that distribution). The last position (no next token) and sequence ends are garbage the caller drops."""
+    return token_logprobs(logits, torch.roll(input_ids[0], -1), temperature, with_entropy)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, with_entropy: bool = True,

@@ -61,25 +61,3 @@ def replay_routes(model: nn.Module, routed_experts: Tensor) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
-
-
-@contextmanager
-def record_routes(model: nn.Module) -> Iterator[list[Tensor]]:
-    """Collect the expert ids each router picks during the block; after it, the list holds one
-    ``[N, layers, top_k]`` tensor per forward pass."""
-    layers = routers(model)
-    per_layer: list[list[Tensor]] = [[] for _ in layers]
-    out: list[Tensor] = []
-
-    def make_hook(layer: int):
-        def hook(module: nn.Module, args: tuple, output: tuple) -> None:
-            per_layer[layer].append(output[2].detach().cpu())
-        return hook
-
-    handles = [r.register_forward_hook(make_hook(i)) for i, r in enumerate(layers)]
-    try:
-        yield out
-    finally:
-        for h in handles:
-            h.remove()
-        out.extend(torch.stack(step, dim=1) for step in zip(*per_layer))
