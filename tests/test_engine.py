@@ -241,6 +241,27 @@ def test_session_prefix_is_reused_across_turns(dense, enabled):
     assert stats["prompt_tokens"] == len(PROMPTS[3]) + len(prompt2)
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_group_sharing_one_prompt_computes_it_once(dense, enabled):
+    """The samples of a GRPO group arrive together with one prompt: the first computes it, the others copy
+    its keys/values and feed only its last token; each samples exactly what it samples alone."""
+    params = [SamplingParams(temperature=1.0, max_tokens=8, seed=s) for s in range(4)]
+
+    async def body(engine):
+        group = await asyncio.gather(*(engine.generate(PROMPTS[2], p) for p in params))
+        return group, dict(engine.stats)
+
+    async def alone(engine):
+        return [await engine.generate(PROMPTS[2], p) for p in params]
+
+    group, stats = run_engine(dense, body, EngineConfig(enable_prefix_caching=enabled))
+    for got, want in zip(group, run_engine(dense, alone), strict=True):
+        assert got.token_ids == want.token_ids
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    assert stats["prefix_hit_tokens"] == (3 * (len(PROMPTS[2]) - 1) if enabled else 0)
+    assert len({tuple(g.token_ids) for g in group}) > 1  # four seeds, not one sample four times
+
+
 def test_short_request_joins_and_leaves_a_running_batch(dense):
     async def body(engine):
         long = asyncio.create_task(engine.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=40)))

@@ -258,14 +258,27 @@ class EmbeddedEngine:
     def _step(self) -> None:
         for request in [r for r in (*self._running, *self._queue) if r.future.cancelled()]:
             self._finish(request, "abort")
+        leaders: dict[tuple[int, ...], Request] = {}
+        twins: list[tuple[Request, Request]] = []  # (request, the one whose prompt it copies after this step)
         while self._admitting and self._queue and self._free_slots:
             request = self._queue.popleft()
             request.slot = self._free_slots.pop()
             self._running.append(request)
             self._reuse_prefix(request)
             self.stats["prompt_tokens"] += request.prompt_len
+            if self.cfg.enable_prefix_caching and request.cached == 0 and request.prompt_len > 1:
+                # a group's samples arrive together with one prompt: it is computed once, for the first
+                leader = leaders.setdefault(tuple(request.ids), request)
+                if leader is not request:
+                    twins.append((request, leader))
+        waiting = {id(r) for r, _ in twins}
         for group in self._forward_groups():
-            self._run(group)
+            if group := [r for r in group if id(r) not in waiting]:
+                self._run(group)
+        for request, leader in twins:  # fed from the last prompt token on, at the next step
+            self._cache.copy(leader.slot, request.slot, request.prompt_len - 1)
+            request.cached = request.prompt_len - 1
+            self.stats["prefix_hit_tokens"] += request.cached
 
     def _forward_groups(self) -> list[list[Request]]:
         """Running requests split into forwards of at most ``max_num_batched_tokens`` new tokens:

@@ -65,6 +65,11 @@ class SlotCache:
         """Copies of the first ``length`` cached positions of ``slot``, per layer (kv_heads, length, head_dim)."""
         return [k[slot, :, :length].clone() for k in self.k], [v[slot, :, :length].clone() for v in self.v]
 
+    def copy(self, source: int, slot: int, length: int) -> None:
+        """The first ``length`` positions of ``source`` into ``slot``."""
+        for cache in (*self.k, *self.v):
+            cache[slot, :, :length] = cache[source, :, :length]
+
     def write(self, slot: int, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
         """Put the first ``length`` positions of saved ``keys`` / ``values`` back into ``slot``."""
         self.reserve(length)
