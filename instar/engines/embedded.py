@@ -273,7 +273,7 @@ class EmbeddedEngine:
                     twins.append((request, leader))
         waiting = {id(r) for r, _ in twins}
         for group in self._forward_groups():
-            if group := [r for r in group if id(r) not in waiting]:
+            if group := [r for r in group if id(r) not in waiting] if waiting else group:
                 self._run(group)
         for request, leader in twins:  # fed from the last prompt token on, at the next step
             self._cache.copy(leader.slot, request.slot, request.prompt_len - 1)
@@ -391,7 +391,6 @@ class EmbeddedEngine:
             self._cache.write(request.slot, entry.keys, entry.values, n)
             request.cached = n
             self.stats["prefix_hit_tokens"] += n
-
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:

@@ -103,21 +103,25 @@ def plan_micro_batches(lengths: list[int], max_tokens: int, seqs: list[list[int]
     order, shared = _shared_with_previous(seqs) if seqs is not None else ([], [])
     if any(shared):  # else nothing is shared: first-fit decreasing packs tighter
         runs: list[list[int]] = []
-        size = 0
+        sizes: list[int] = []
         for i, common in zip(order, shared):
-            if not runs or size + lengths[i] - common > max_tokens:  # a new row: its first sample brings all
+            if not runs or sizes[-1] + lengths[i] - common > max_tokens:  # a new row: its first sample brings all
                 runs.append([])
-                size, common = 0, 0
+                sizes.append(0)
+                common = 0
             runs[-1].append(i)
-            size += lengths[i] - common
+            sizes[-1] += lengths[i] - common
         fitted: list[list[int]] = []
         while runs:  # `shared` can overstate by a too-short shared part: the last samples move on until it fits
-            run, spill = runs.pop(0), []
-            while len(run) > 1 and len(row_layout([seqs[j] for j in run]).tokens) > max_tokens:
+            run, spill, size = runs.pop(0), [], sizes.pop(0)
+            # only a row within that overstatement of the budget is laid out to be sure
+            while (len(run) > 1 and size + (MIN_SHARED - 1) * (len(run) - 1) > max_tokens
+                   and len(row_layout([seqs[j] for j in run]).tokens) > max_tokens):
                 spill.insert(0, run.pop())
             fitted.append(run)
-            if spill:
+            if spill:  # joined to the next row, whose size is then unknown: the budget makes the next round look
                 runs.insert(0, spill + (runs.pop(0) if runs else []))
+                sizes[:1] = [max_tokens]
         return fitted
     bins: list[list[int]] = []
     room: list[int] = []
