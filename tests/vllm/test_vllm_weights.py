@@ -66,12 +66,13 @@ def test_keep_pause_update_resume_mid_request(vllm, models, head):
     def named(model):
         return model.named_parameters(remove_duplicate=head == "tied")
 
+    N = 1200  # long enough that the swap, 0.3 s in, lands mid-request on a fast machine too
     start = engine.version
     warm = loop.run(engine.generate(PROMPT, GREEDY))  # leaves PROMPT in the prefix cache
     assert warm.logprobs == pytest.approx(hf_logprobs(a, PROMPT, warm.token_ids).tolist(), abs=TOL)
 
     future = asyncio.run_coroutine_threadsafe(
-        engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=300)), loop.loop)
+        engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=N)), loop.loop)
     wait_until(lambda: engine.load().running == 1)
     time.sleep(0.3)
     try:
@@ -81,10 +82,10 @@ def test_keep_pause_update_resume_mid_request(vllm, models, head):
     finally:
         swap(vllm, named(a), start + 2)
 
-    assert gen.finish_reason == "length" and len(gen.token_ids) == 300  # the in-flight request finished
+    assert gen.finish_reason == "length" and len(gen.token_ids) == N  # the in-flight request finished
     k = gen.versions.count(start)
-    assert 0 < k < 300, f"the swap should land mid-request; {k} of 300 tokens came before it"
-    assert gen.versions == [start] * k + [start + 1] * (300 - k)
+    assert 0 < k < N, f"the swap should land mid-request; {k} of {N} tokens came before it"
+    assert gen.versions == [start] * k + [start + 1] * (N - k)
     got = torch.tensor(gen.logprobs)
     assert (got[:k] - hf_logprobs(a, PROMPT, gen.token_ids[:k])).abs().max() < TOL
     # After the swap: model B over the whole context (vLLM re-prefilled the preempted request).
