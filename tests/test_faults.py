@@ -7,7 +7,7 @@ import time
 
 import pytest
 import ray
-from test_loop import make_cfg, rows
+from test_loop import ROOT, make_cfg, rows
 
 from instar.contract import read_jsonl
 from instar.loop import run
@@ -50,9 +50,10 @@ def logged(path, step: int):
 
 
 def test_a_killed_agent_runner_is_restarted_and_its_groups_run_again(tmp_path, tiny_model_dir, prompts, clusters):
-    cfg = make_cfg(tmp_path, tiny_model_dir, prompts, **{"train.force_sync_mode": True})
+    cfg = make_cfg(tmp_path, tiny_model_dir, prompts, **{
+        "train.force_sync_mode": True, "train.agent_path": str(ROOT / "tests/agents/slow_env.py")})
     killed = kill_when(logged(tmp_path / "run/metrics.jsonl", 1), lambda: clusters[0].agents[0])
-    run(cfg)  # sync mode: both groups of step 2 are in flight once step 1 is logged
+    run(cfg)  # sync mode: both groups of step 2 are in flight (scoring takes 1.5 s) once step 1 is logged
     metrics = rows(tmp_path / "run/metrics.jsonl")
     assert killed and [m["step"] for m in metrics] == [1, 2, 3]
     assert all(m["trajectories"] == 8 for m in metrics)  # the groups ran again whole
