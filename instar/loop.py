@@ -26,7 +26,7 @@ from instar.data.prompts import PromptStream, load_prompts
 from instar.runtime import batching
 from instar.runtime.cluster import Cluster
 from instar.runtime.evaluate import evaluate as evaluate_agents
-from instar.runtime.metrics import MetricsLogger, Usage
+from instar.runtime.metrics import Usage
 from instar.runtime.pool import Group, Pool, PoolState, ReplayPool, RolloutPool
 from instar.train import checkpoint, run_dir
 from instar.train.batch import StepInputs
@@ -39,7 +39,8 @@ def run(cfg: RLConfig) -> dict[str, float]:
 
 
 def evaluate(cfg: RLConfig) -> dict[str, float]:
-    """`instar eval`: --eval.dataset through the agent with --actor.model_name_or_path; no training."""
+    """`instar eval`: --eval.dataset through the agent with --actor.model_name_or_path; no training. The
+    figures are also appended to --ckpt.output_dir/eval.jsonl (and TensorBoard / W&B when asked)."""
     if not cfg.eval.dataset:
         raise ConfigError("--eval.dataset is required: the prompts (with labels) to evaluate on")
     if not cfg.train.agent_path:
@@ -48,7 +49,11 @@ def evaluate(cfg: RLConfig) -> dict[str, float]:
     async def go() -> dict[str, float]:
         async with Cluster(cfg, train=False) as cluster:
             return await evaluate_agents(cluster.agents, cfg, sampling_params(cfg))
-    return asyncio.run(go())
+    metrics = asyncio.run(go())
+    logger = run_dir.MetricsLogger(cfg.ckpt.output_dir, cfg.log, 1, run_config=asdict(cfg), job="eval")
+    logger.log(0, {"model": cfg.actor.model_name_or_path, **metrics})
+    logger.close()
+    return metrics
 
 
 def sampling_params(cfg: RLConfig) -> SamplingParams:
@@ -69,7 +74,7 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
         pool: Pool = (ReplayPool(cfg.train.rollout_replay_dir, step) if cfg.train.rollout_replay_dir
                       else RolloutPool(cluster.agents, stream, cfg, sampling, pool_state))
         usage = Usage(cluster.agents, cluster.engines)
-        logger = MetricsLogger(out, cfg.log, cfg.train.max_steps, step, asdict(cfg))
+        logger = run_dir.MetricsLogger(out, cfg.log, cfg.train.max_steps, step, asdict(cfg))
         logger.truncate_after(step if step else -1)  # a run resumed at 0 evaluates step 0 again
 
         def eval_due(step: int) -> bool:

@@ -80,7 +80,8 @@ def test_rl_and_evaluate_run_inside_a_running_event_loop(tmp_path, tiny_model_di
                              "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "2",
                              "--train.force_sync_mode", "true", "--ckpt.output_dir", str(tmp_path / "run")])
         scores = instar.evaluate([*common, "--eval.dataset", str(eval_set), "--data.input_key", "q",
-                                  "--data.label_key", "a", "--eval.dump_dir", str(tmp_path / "dump")])
+                                  "--data.label_key", "a", "--eval.dump_dir", str(tmp_path / "dump"),
+                                  "--ckpt.output_dir", str(tmp_path / "run")])
         return metrics, scores
 
     metrics, scores = asyncio.run(notebook_cell())

@@ -141,10 +141,14 @@ def test_eval_command_scores_every_prompt_without_a_trainer(tmp_path, tiny_model
                                for i in range(20)))
     main(["eval", "--actor.model_name_or_path", str(tiny_model_dir), "--eval.dataset", str(dataset),
           "--eval.n_samples", "2", "--data.max_new_tokens", "8", "--eval.dump_dir", str(tmp_path / "dump"),
-          "--train.agent_path", str(ROOT / "tests/agents/label_env.py")])
+          "--train.agent_path", str(ROOT / "tests/agents/label_env.py"), "--ckpt.output_dir", str(tmp_path / "out"),
+          "--log.tensorboard", "true"])
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == "eval accuracy: 0.3 (greedy 0.3)"
     assert {"eval/pass@2: 0.3", "eval/dropped: 0", "eval_greedy/dropped: 0"} <= set(out)
+    [logged] = rows(tmp_path / "out/eval.jsonl")  # the same sinks as rl: JSONL and TensorBoard here
+    assert logged["model"] == str(tiny_model_dir) and logged["eval/accuracy"] == logged["eval/pass@2"] == 0.3
+    assert list((tmp_path / "out/tensorboard/eval").glob("events.out.tfevents.*"))
     dumped = read_jsonl(str(tmp_path / "dump/eval_step_000000.jsonl"))  # 20 x 2 sampled + 20 greedy
     assert len(dumped) == 60 and sum(t.outcome for t in dumped) == 18
     page = write_view(tmp_path / "dump", str(tiny_model_dir), limit=100).read_text()

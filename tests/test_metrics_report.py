@@ -4,7 +4,7 @@ import json
 
 from instar.cli.main import main
 from instar.config import LogConfig
-from instar.runtime.metrics import MetricsLogger
+from instar.train.run_dir import MetricsLogger
 
 
 def test_logger_writes_jsonl_and_tensorboard_and_truncates(tmp_path):

@@ -1,5 +1,5 @@
-"""The run directory (--ckpt.output_dir): one run per directory, and crash-safe rewrites of its logs
-when a run resumes.
+"""The run directory (--ckpt.output_dir): one run per directory, its metrics log (JSONL, TensorBoard,
+W&B, a progress bar), and crash-safe rewrites of its logs when a run resumes.
 
 A fresh run over another run's files would mix with them: ``checkpoint.latest`` and pruning pick by
 step number, and the ledger and metrics append. So a fresh run refuses a directory that holds run
@@ -8,16 +8,23 @@ artefacts unless told to resume (--ckpt.load_enable) or to start over (--ckpt.ov
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import shutil
+import sys
+import uuid
 from pathlib import Path
+from typing import Any
 
-from instar.config import CkptConfig, ConfigError
+from tqdm import tqdm
+
+from instar.config import CkptConfig, ConfigError, LogConfig
 
 RUN_ARTEFACTS = ("checkpoints", "ledger.jsonl", "metrics.jsonl")
 """What makes a directory hold a run (config.json alone does not: it is rewritten at every start)."""
-_OLD_OUTPUTS = ("tensorboard", "hf", "hf_steps", "curve.png", "report.html")
+_OLD_OUTPUTS = ("tensorboard", "wandb", "wandb_run_id", "eval.jsonl", "hf", "hf_steps", "curve.png", "report.html")
 """Also removed by --ckpt.overwrite, so that nothing of the old run sits beside the new one's."""
 _DUMP = re.compile(r"^step_(\d+)\.jsonl$")
 
@@ -80,3 +87,84 @@ def fsync_dir(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+SHOWN = {"rl": ("reward", "score", "eval/accuracy"), "sft": ("actor/loss", "eval/loss"), "eval": ()}
+"""The metrics each job's progress bar shows."""
+
+
+class MetricsLogger:
+    """One job's metrics: ``metrics.jsonl`` for rl and sft (``eval.jsonl`` for eval), TensorBoard, W&B."""
+
+    def __init__(self, output_dir: str | Path, cfg: LogConfig, total_steps: int, start_step: int = 0,
+                 run_config: dict[str, Any] | None = None, job: str = "rl"):
+        self.dir, self.job = Path(output_dir), job
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / ("eval.jsonl" if job == "eval" else "metrics.jsonl")
+        self.tb = self.wandb = None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.dir / ("tensorboard/eval" if job == "eval" else "tensorboard")))
+        if cfg.wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise ImportError("--log.wandb_project needs the wandb package: pip install 'instar[wandb]'") from None
+            # a resumed rl / sft run goes on in the same W&B run: its id is kept in the run directory
+            same = {"id": _wandb_id(self.dir / "wandb_run_id"), "resume": "allow"} if job != "eval" else {}
+            self.wandb = wandb.init(project=cfg.wandb_project, mode=cfg.wandb_mode, dir=str(self.dir),
+                                    config=run_config, job_type=job, **same)
+        self.bar = tqdm(total=total_steps, initial=start_step, desc=job, dynamic_ncols=True, disable=job == "eval")
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, **{k: _json_value(v) for k, v in sorted(metrics.items())}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+        if self.tb is not None:
+            for k, v in numbers.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=step)
+        shown = {k: f"{numbers[k]:.3f}" for k in SHOWN[self.job] if k in numbers}
+        self.bar.set_postfix(shown)
+        self.bar.update(step - self.bar.n)
+
+    def truncate_after(self, step: int) -> None:
+        """Drop rows past `step` (a resumed run redoes them) and a torn line (a kill during a write)."""
+        if self.path.exists():
+            rows = []
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= step:
+                        rows.append(line)
+                except json.JSONDecodeError:  # only a torn line: each row is one whole JSON object
+                    continue
+            atomic_write_text(self.path, "".join(r + "\n" for r in rows))
+
+    def note(self, text: str) -> None:
+        """A line for the person watching the run, printed above the progress bar."""
+        self.bar.write(f"instar: {text}", file=sys.stderr)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _wandb_id(path: Path) -> str:
+    if not path.exists():
+        atomic_write_text(path, uuid.uuid4().hex[:16])
+    return path.read_text().strip()
+
+
+def _json_value(v: Any) -> Any:
+    """A metric as JSON can hold it: tensors and numpy scalars as numbers, NaN and inf as null."""
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v

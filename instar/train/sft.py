@@ -3,16 +3,13 @@ export path as RL; the loss is the token-mean NLL of assistant tokens over the w
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import random
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
 from torch import Tensor
-from tqdm import tqdm
 
 from instar.config import SFTConfig
 from instar.contract import Sample
@@ -21,6 +18,7 @@ from instar.train import checkpoint
 from instar.train.batch import LossInputs
 from instar.train.launch import cpu_threads, free_port, run_ranks
 from instar.train.model import load_tokenizer
+from instar.train.run_dir import MetricsLogger
 from instar.train.worker import TrainWorker
 
 
@@ -78,38 +76,33 @@ def _sft_rank(rank: int, world: int, port: int, cfg: SFTConfig) -> dict[str, flo
         start = worker.load(path)["step"]
     held_out = worker.share(held_out) if len(held_out) >= cfg.fsdp.data_size else []
     metrics: dict[str, float] = {}
+    logger = MetricsLogger(out, cfg.log, total, start, asdict(cfg), "sft") if rank == 0 else None
+    log = logger.log if logger else lambda step, metrics: None
+    if logger:
+        logger.truncate_after(start if start else -1)  # a resumed run redoes the steps after its checkpoint
     if held_out and start == 0:
-        _log(out, rank, {"step": 0, "eval/loss": eval_loss(worker, held_out)})
+        log(0, {"eval/loss": eval_loss(worker, held_out)})
     try:
         order: list[int] = []
-        bar = tqdm(total=total, initial=start, desc="sft", dynamic_ncols=True, disable=rank != 0)
         for step in range(start, total):
             epoch, k = divmod(step, steps_per_epoch)
             if k == 0 or not order:  # an epoch's order, drawn once (also when resuming mid-epoch)
                 order = list(range(len(train)))
                 random.Random(cfg.actor.seed + epoch).shuffle(order)
             batch = [train[i] for i in order[k * cfg.sft.batch_size:(k + 1) * cfg.sft.batch_size]]
-            metrics = {"step": step + 1, "epoch": epoch, **worker.train_step(batch, sft_loss)}
+            metrics = {"epoch": epoch, **worker.train_step(batch, sft_loss)}
             last = step + 1 == total
             if held_out and (last or (cfg.sft.eval_steps and (step + 1) % cfg.sft.eval_steps == 0)):
                 metrics["eval/loss"] = eval_loss(worker, held_out)
-            _log(out, rank, metrics)
-            bar.update(1)
-            bar.set_postfix(loss=f"{metrics['actor/loss']:.3f}", refresh=False)
+            log(step + 1, metrics)
             if (cfg.ckpt.save_steps and (step + 1) % cfg.ckpt.save_steps == 0) or (last and cfg.ckpt.save_steps == 0):
                 worker.save(ckpt_dir, {"step": step + 1}, cfg.ckpt.max_num)
             if cfg.ckpt.hf_save_steps and (step + 1) % cfg.ckpt.hf_save_steps == 0 and not last:
                 worker.export_hf(os.path.join(out, "hf_steps", f"step_{step + 1}"))
-        bar.close()
         worker.export_hf(os.path.join(out, "hf"))
     finally:
+        if logger:
+            logger.close()
         worker.shutdown()
-    return metrics
+    return {"step": total, **metrics}
 
-
-def _log(out_dir: str, rank: int, metrics: dict[str, float]) -> None:
-    if rank != 0:
-        return
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps({k: v for k, v in metrics.items() if math.isfinite(v)}) + "\n")
