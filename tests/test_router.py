@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from instar.contract import Generation, SamplingParams
 from instar.engines import EmbeddedEngine, EngineLoad, Router
+from instar.runtime.engines import RELEASE_BATCH_SECONDS, RemoteEngine
 
 
 class RecordingEngine:
@@ -144,11 +145,45 @@ def test_an_engine_that_cannot_report_its_load_is_skipped_and_a_failed_session_i
         await router.generate([1], SamplingParams(), "s1")  # e.g. the agent SDK's retry
         await router.generate([1], SamplingParams(), "s2")
         load = await router.load()
-        with pytest.raises(RuntimeError, match="all 1 failed their load"):
-            await Router([DeadEngine("x")]).generate([1], SamplingParams(), "s3")
+        with pytest.raises(RuntimeError, match="all 2 failed their load"):
+            await Router([DeadEngine("x"), DeadEngine("y")]).generate([1], SamplingParams(), "s3")
+        lone = DeadEngine("z")  # not asked its load (nothing to choose): its own error reaches the caller
+        with pytest.raises(RuntimeError, match="actor died"):
+            await Router([lone]).generate([1], SamplingParams(), "s4")
         return live, dead, router, after_failure, load
 
     live, dead, router, after_failure, load = asyncio.run(main())
     assert after_failure == {} and router.sessions == {"s1": 1, "s2": 1}
     assert sessions_on(dead) == ["s1"] and sessions_on(live) == ["s1", "s2"]
     assert load == EngineLoad(queued=7, running=0) and router._in_flight == [0, 0]
+
+
+def test_an_actor_engine_shares_one_load_query_and_batches_releases():
+    class Method:
+        def __init__(self, answer=None):
+            self.calls, self.answer = [], answer
+
+        def remote(self, *args):
+            self.calls.append(args)
+            future = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_later(0.01, future.set_result, self.answer)
+            return future
+
+    class Handle:
+        load, release = Method(EngineLoad(queued=2, running=1)), Method()
+
+    async def main():
+        engine = RemoteEngine(Handle())
+        loads = await asyncio.gather(*(engine.load() for _ in range(8)))  # a group's samples start together
+        again = await engine.load()  # asked after the answer came: a new query
+        for i in range(5):
+            engine.release(f"s{i}")
+        await asyncio.sleep(3 * RELEASE_BATCH_SECONDS)
+        engine.release("s5")
+        await asyncio.sleep(3 * RELEASE_BATCH_SECONDS)
+        return loads, again
+
+    loads, again = asyncio.run(main())
+    assert loads == [EngineLoad(queued=2, running=1)] * 8 and again == loads[0]
+    assert len(Handle.load.calls) == 2
+    assert Handle.release.calls == [("s0", "s1", "s2", "s3", "s4"), ("s5",)]

@@ -1,7 +1,8 @@
 """The session-affinity router in front of N rollout engines.
 
 Every request of one session goes to the engine that served its first turn, where that session's
-prefix cache is warm; a new session goes to the engine with the least load (queued + running).
+prefix cache is warm; a new session goes to the engine with the least load (queued + running), and
+with a single engine straight to it.
 An engine whose `load()` raises (dead, restarting, or restarted and waiting for weights) is skipped
 while the others serve; a session whose engine fails a request is placed afresh on its next one.
 Control calls (pause, weights) do not pass through here: the driver sends them to each engine.
@@ -61,7 +62,8 @@ class Router:
         """The session's engine, or the least-loaded one; counts the request as in flight there."""
         index = self.sessions.get(session_id) if session_id is not None else None
         if index is None:
-            loads = await self._loads()
+            # a lone engine is not asked: there is nothing to choose, and asking costs a round trip per rollout
+            loads = await self._loads() if len(self.engines) > 1 else [EngineLoad(0, 0)]
             up = [i for i, load in enumerate(loads) if load is not None]
             if not up:
                 raise RuntimeError(f"no rollout engine can take a request: all {len(loads)} failed their load() "

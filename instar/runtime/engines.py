@@ -36,6 +36,9 @@ def make_engine(model_path: str, backend: str, cfg: EngineConfig, routing_replay
     raise ValueError(f"--rollout.engine must be embedded or vllm, got {backend!r}")
 
 
+RELEASE_BATCH_SECONDS = 0.02
+"""How long an agent runner gathers ended sessions before telling their engine, in one call."""
+
 ENGINE_MAX_RESTARTS = 3
 """How many times Ray restarts a crashed engine actor in one run (the driver then gives it the weights)."""
 
@@ -88,8 +91,9 @@ class EngineActor:
         self._check_serving()  # a Router skips an engine whose load() raises
         return self.engine.load()
 
-    def release(self, session_id: str) -> None:
-        self.engine.release(session_id)
+    def release(self, *session_ids: str) -> None:
+        for session_id in session_ids:
+            self.engine.release(session_id)
 
     def stats(self) -> dict[str, float]:
         return dict(self.engine.stats)
@@ -113,6 +117,8 @@ class RemoteEngine:
 
     def __init__(self, handle: Any):
         self.handle = handle
+        self._load: Any = None  # the load query in flight, shared by the placements that ask meanwhile
+        self._released: list[str] = []  # sessions to release in the next batched call
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        session_id: str | None = None) -> Generation:
@@ -133,7 +139,23 @@ class RemoteEngine:
             ray.cancel(refs)
 
     def release(self, session_id: str) -> None:
-        self.handle.release.remote(session_id)  # not awaited: nothing waits on it
+        """Batched: the sessions that end within a few milliseconds go in one call (a round trip per rollout
+        cost the engine's process as much CPU as a short turn); not awaited, nothing waits on it."""
+        self._released.append(session_id)
+        if len(self._released) == 1:
+            asyncio.get_running_loop().call_later(RELEASE_BATCH_SECONDS, self._flush)
+
+    def _flush(self) -> None:
+        self.handle.release.remote(*self._released)
+        self._released = []
 
     async def load(self) -> EngineLoad:
-        return await self.handle.load.remote()
+        """The engine's load; a group's samples start together and share one query."""
+        if self._load is None:
+            self._load = self.handle.load.remote()
+        query = self._load
+        try:
+            return await query
+        finally:
+            if self._load is query:
+                self._load = None
