@@ -25,4 +25,4 @@ lint: setup
 # once); a missing vllm there is an error, never a skip.
 test-vllm:
 	@bash scripts/setup_vllm.sh
-	INSTAR_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm
+	INSTAR_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest -q -rs -p no:cacheprovider tests/vllm

@@ -10,13 +10,18 @@ import os
 import shutil
 
 import pytest
-from vllm_tier import HAVE_VLLM
+from vllm_tier import HAVE_VLLM, cpu_isa
 
 from instar.data.tiny_model import TinySpec, build_tiny_model
 
 if os.environ.get("INSTAR_REQUIRE_VLLM") == "1" and not HAVE_VLLM:
     raise pytest.UsageError("INSTAR_REQUIRE_VLLM=1 but vllm is not importable in this interpreter; "
                             "run `make test-vllm` (it sets up .venv-vllm with scripts/setup_vllm.sh)")
+
+
+def pytest_report_header(config):
+    return f"cpu instruction set (vLLM's CPU kernels are chosen by it): {cpu_isa()}"
+
 
 # A checkpoint generation_config that would change every sample if it leaked into vLLM's sampling.
 HOSTILE_GENERATION_CONFIG = {"do_sample": True, "temperature": 0.05, "top_k": 1, "top_p": 0.1,

@@ -50,6 +50,12 @@ def start_engine(model_dir, cfg):
         loop.stop()
 
 
+def cpu_isa() -> str:
+    """The instruction set vLLM's CPU build chooses its kernels by (AVX2, AVX512, AVX512 + BF16)."""
+    bf16 = " + AVX512_BF16" if torch.cpu._is_avx512_bf16_supported() else ""
+    return f"{torch.backends.cpu.get_cpu_capability()}{bf16}"
+
+
 def hf_logits(model, prompt, tokens):
     """Logits that predicted each of ``tokens`` after ``prompt``, shape (len(tokens), vocab), fp32."""
     with torch.no_grad():
