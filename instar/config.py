@@ -180,8 +180,8 @@ class EngineConfig:
     """Which logprob the engine returns: of the raw model distribution (temperature 1, unfiltered),
     or of the distribution actually sampled from (after temperature, min-p, top-k, top-p, in that order;
     greedy requests return the raw one). Defined in instar/engines/sampling.py."""
-    max_num_seqs: int = 64
-    """Most requests decoded together in one engine step."""
+    max_num_seqs: int = 256
+    """Most requests decoded together in one engine step (vLLM's default)."""
     max_num_batched_tokens: int = 8192
     """Most new tokens (prompts and decodes together) in one forward; a longer single prompt runs alone."""
     prefix_cache_max_tokens: int = 262144

@@ -276,6 +276,31 @@ def test_short_request_joins_and_leaves_a_running_batch(dense):
     assert long.token_ids == hf_greedy(dense, PROMPTS[3], 40)
 
 
+def test_requests_leaving_from_the_middle_keep_the_others_exact(dense):
+    """Requests that finish early free slots among running ones; the engine moves the last running
+    request into the hole (its cached keys with it), and a request that arrives later joins at the end:
+    every turn still equals HF's greedy decode of its own prompt, and the running slots stay 0..R-1."""
+    lengths = [3, 30, 7, 30, 1, 30, 12, 30]
+    slots_seen = []
+
+    async def body(engine):
+        first = [asyncio.create_task(engine.generate(PROMPTS[i % 4], SamplingParams(temperature=0, max_tokens=n)))
+                 for i, n in enumerate(lengths)]
+        while engine.stats["sampled_tokens"] < 90:  # the short ones have left, the long ones run on
+            slots_seen.append(sorted(r.slot for r in engine._running))
+            await asyncio.sleep(0)
+        late = await engine.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=6))
+        return await asyncio.gather(*first), late
+
+    first, late = run_engine(dense, body)
+    for i, (n, gen) in enumerate(zip(lengths, first)):
+        assert gen.token_ids == hf_greedy(dense, PROMPTS[i % 4], n)
+        assert torch.allclose(torch.tensor(gen.logprobs), hf_logprobs(dense, PROMPTS[i % 4], gen.token_ids), atol=1e-4)
+    assert late.token_ids == hf_greedy(dense, PROMPTS[1], 6)
+    assert all(s == list(range(len(s))) for s in slots_seen)
+    assert {8, 4} <= {len(s) for s in slots_seen}  # all eight ran, then the four short ones left
+
+
 def test_pause_abort_and_wait(dense):
     async def body(engine):
         running = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(max_tokens=50, seed=0)))

@@ -80,8 +80,8 @@ class EmbeddedEngine:
         moe_layers = sum(is_moe(layer) for layer in model.model.layers)
         self._routing_shape = (moe_layers, model.config.num_experts_per_tok) if moe_layers else None
         self.max_model_len = model.config.max_position_embeddings
-        self._cache = SlotCache(model, self.cfg.max_num_seqs)
-        self._free_slots = list(range(self.cfg.max_num_seqs - 1, -1, -1))
+        self._cache = SlotCache(model)
+        self._holes = False  # a request left its slot since the last `_compact`
         self._queue: deque[Request] = deque()
         self._running: list[Request] = []
         self._prefixes: OrderedDict[str, CachedPrefix] = OrderedDict()
@@ -258,11 +258,13 @@ class EmbeddedEngine:
     def _step(self) -> None:
         for request in [r for r in (*self._running, *self._queue) if r.future.cancelled()]:
             self._finish(request, "abort")
+        self._compact()
         leaders: dict[tuple[int, ...], Request] = {}
         twins: list[tuple[Request, Request]] = []  # (request, the one whose prompt it copies after this step)
-        while self._admitting and self._queue and self._free_slots:
+        while self._admitting and self._queue and len(self._running) < self.cfg.max_num_seqs:
             request = self._queue.popleft()
-            request.slot = self._free_slots.pop()
+            request.slot = len(self._running)
+            self._cache.reserve(0, request.slot + 1)
             self._running.append(request)
             self._reuse_prefix(request)
             self.stats["prompt_tokens"] += request.prompt_len
@@ -279,14 +281,29 @@ class EmbeddedEngine:
             self._cache.copy(leader.slot, request.slot, request.prompt_len - 1)
             request.cached = request.prompt_len - 1
             self.stats["prefix_hit_tokens"] += request.cached
+        self._compact()  # after the twins' copies: a leader that finished may leave a hole
+
+    def _compact(self) -> None:
+        """Move requests into the slots that finished ones left, so the running requests hold slots
+        0..R-1 and a decode step reads their cached keys as one slice of the cache."""
+        if not self._holes:
+            return
+        self._holes = False
+        used = {r.slot for r in self._running}
+        holes = iter(slot for slot in range(len(self._running)) if slot not in used)
+        for request in self._running:
+            if request.slot >= len(self._running):
+                slot = next(holes)
+                self._cache.copy(request.slot, slot, request.cached)
+                request.slot = slot
 
     def _forward_groups(self) -> list[list[Request]]:
         """Running requests split into forwards of at most ``max_num_batched_tokens`` new tokens:
         usually one forward for all (decode rows and new prompts together); a longer single prompt
-        runs alone."""
+        runs alone. Rows of one length are in slot order (see `_compact`)."""
         groups: list[list[Request]] = [[]]
         size = 0
-        for request in sorted(self._running, key=lambda r: len(r.ids) - r.cached):
+        for request in sorted(self._running, key=lambda r: (len(r.ids) - r.cached, r.slot)):
             n = len(request.ids) - request.cached
             if groups[-1] and size + n > self.cfg.max_num_batched_tokens:
                 groups.append([])
@@ -342,8 +359,8 @@ class EmbeddedEngine:
         if request.slot >= 0:
             self._save_prefix(request)
             self._running.remove(request)
-            self._free_slots.append(request.slot)
             request.slot = -1
+            self._holes = True
         elif request in self._queue:
             self._queue.remove(request)
         if not request.future.done():

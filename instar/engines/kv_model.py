@@ -41,25 +41,29 @@ def is_moe(layer: nn.Module) -> bool:
 
 
 class SlotCache:
-    """Keys and values of every running request, one slot each; capacity grows by doubling.
-    Every slot spans the longest running sequence (slots x longest x layers in memory): simple and
-    fast for the small models this engine is for; a paged cache is what vLLM adds."""
+    """Keys and values of every running request, one slot each, (slots, kv_heads, capacity, head_dim)
+    per layer; both the slots and the capacity grow by doubling, up to what is asked. Every slot spans
+    the longest running sequence: simple and fast for the small models this engine is for; a paged
+    cache is what vLLM adds. The engine keeps its running requests in slots 0..R-1 (`copy` moves one
+    into a freed slot), so a batch's cached keys are usually one slice, read without gathering."""
 
-    def __init__(self, model: nn.Module, slots: int, capacity: int = 16):
+    def __init__(self, model: nn.Module, slots: int = 16, capacity: int = 16):
         config = model.config
         self.shape = (slots, config.num_key_value_heads, capacity, config.head_dim)
         self.dtype = model.model.embed_tokens.weight.dtype
         self.k = [torch.zeros(self.shape, dtype=self.dtype) for _ in model.model.layers]
         self.v = [torch.zeros(self.shape, dtype=self.dtype) for _ in model.model.layers]
 
-    def reserve(self, length: int) -> None:
-        if length <= self.shape[2]:
+    def reserve(self, length: int, slots: int = 0) -> None:
+        if length <= self.shape[2] and slots <= self.shape[0]:
             return
-        self.shape = (*self.shape[:2], max(length, 2 * self.shape[2]), self.shape[3])
+        old_slots, old_length = self.shape[0], self.shape[2]
+        self.shape = (max(slots, old_slots if slots <= old_slots else 2 * old_slots), self.shape[1],
+                      max(length, old_length if length <= old_length else 2 * old_length), self.shape[3])
         for kv in (self.k, self.v):
             for i, old in enumerate(kv):
                 kv[i] = torch.zeros(self.shape, dtype=self.dtype)
-                kv[i][:, :, : old.shape[2]] = old
+                kv[i][:old_slots, :, :old_length] = old
 
     def read(self, slot: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Copies of the first ``length`` cached positions of ``slot``, per layer (kv_heads, length, head_dim)."""
@@ -72,15 +76,10 @@ class SlotCache:
 
     def write(self, slot: int, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
         """Put the first ``length`` positions of saved ``keys`` / ``values`` back into ``slot``."""
-        self.reserve(length)
+        self.reserve(length, slot + 1)
         for cache, saved in ((self.k, keys), (self.v, values)):
             for layer_cache, layer_saved in zip(cache, saved):
                 layer_cache[slot, :, :length] = layer_saved[:, :length]
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 @dataclass
@@ -88,6 +87,7 @@ class AttentionGroup:
     """Rows attended together: their new tokens on a (rows, T) grid of packed token indices."""
 
     slots: torch.Tensor  # (rows,)
+    first_slot: int | None  # rows hold slots first_slot, first_slot + 1, ... in order: the cache is read as a slice
     mask: torch.Tensor  # (rows, 1, T, span) bool: key position <= query position
     grid: torch.Tensor | None  # (rows, T), padding repeats a row's last token; None: T = 1 and rows = packed order
     valid: torch.Tensor | None  # (rows, T) bool: grid entries that are real tokens; None: all are
@@ -110,50 +110,96 @@ def make_batch(cache: SlotCache, new_ids: list[list[int]], slots: list[int], pas
     separate groups, so a decode row is never padded to a prompt's length."""
     lengths, past_t, slots_t = torch.tensor([len(ids) for ids in new_ids]), torch.tensor(past), torch.tensor(slots)
     ends = past_t + lengths
-    cache.reserve(int(ends.max()))
     starts = lengths.cumsum(0) - lengths
     row = torch.repeat_interleave(torch.arange(len(new_ids)), lengths)  # (N,) row of each packed token
     positions = past_t[row] + torch.arange(len(row)) - starts[row]
+    cache.reserve(int(ends.max()), int(slots_t.max()) + 1)
     _, kv_heads, capacity, _ = cache.shape
     write_index = ((slots_t[row][:, None] * kv_heads + torch.arange(kv_heads)) * capacity + positions[:, None])
     groups = []
     if bool((lengths == 1).all()):  # pure decode step: no gathering at all
         mask = (torch.arange(int(ends.max())) < ends[:, None])[:, None, None]
-        groups.append(AttentionGroup(slots_t, mask, None, None))
+        groups.append(AttentionGroup(slots_t, _first_slot(slots_t), mask, None, None))
     else:
         for rows in ((lengths == 1).nonzero()[:, 0], (lengths > 1).nonzero()[:, 0]):
             if len(rows):
                 steps = torch.arange(int(lengths[rows].max()))
                 grid = starts[rows][:, None] + torch.minimum(steps, lengths[rows][:, None] - 1)
                 mask = (torch.arange(int(ends[rows].max())) <= positions[grid][:, :, None])[:, None]
-                groups.append(AttentionGroup(slots_t[rows], mask, grid, steps < lengths[rows][:, None]))
+                groups.append(AttentionGroup(slots_t[rows], _first_slot(slots_t[rows]), mask, grid,
+                                             steps < lengths[rows][:, None]))
     tokens = torch.tensor([t for ids in new_ids for t in ids])
     return Batch(tokens, positions, write_index.reshape(-1), starts + lengths - 1, groups)
+
+
+def _first_slot(slots: torch.Tensor) -> int | None:
+    first = int(slots[0])
+    return first if bool((slots == torch.arange(first, first + len(slots))).all()) else None
+
+
+def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """One query token per row ``q (rows, heads, d)`` over ``keys``/``values (rows, kv_heads, span, d)``
+    under ``mask (rows, 1, 1, span)``: two batched matmuls with the query heads of one key/value head
+    side by side. At decode sizes this is several times faster than SDPA's CPU kernel, and on a slice of
+    the cache it reads the keys where they lie."""
+    rows, heads, d = q.shape
+    kv_heads, span = keys.shape[1], keys.shape[2]
+    scores = torch.bmm(q.reshape(rows * kv_heads, heads // kv_heads, d), keys.reshape(-1, span, d).transpose(1, 2))
+    scores = scores.view(rows, heads, span).mul_(scale).masked_fill_(~mask[:, 0], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(rows * kv_heads, heads // kv_heads, span)
+    return torch.bmm(probs, values.reshape(-1, span, d)).view(rows, heads, d)
 
 
 def attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: SlotCache, layer: int,
               batch: Batch) -> torch.Tensor:
     """Self-attention of the packed new tokens ``x`` (N, hidden) over each row's cached and new keys."""
     tokens, head_dim = x.shape[0], cache.shape[3]
-    q = attn.q_norm(attn.q_proj(x).view(tokens, -1, head_dim))
-    k = attn.k_norm(attn.k_proj(x).view(tokens, -1, head_dim))
-    v = attn.v_proj(x).view(tokens, -1, head_dim)
-    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    q = _norm(attn.q_norm, _linear(attn.q_proj, x).view(tokens, -1, head_dim))
+    k = _norm(attn.k_norm, _linear(attn.k_proj, x).view(tokens, -1, head_dim))
+    v = _linear(attn.v_proj, x).view(tokens, -1, head_dim)
+    half = head_dim // 2  # HF's rotate_half(x) * sin, as x with its halves swapped times the signed sin
+    q, k = q * cos + q.roll(half, -1) * sin, k * cos + k.roll(half, -1) * sin
     cache.k[layer].view(-1, head_dim).index_copy_(0, batch.write_index, k.reshape(-1, head_dim))
     cache.v[layer].view(-1, head_dim).index_copy_(0, batch.write_index, v.reshape(-1, head_dim))
-    out = q if batch.groups[0].grid is None else torch.empty_like(q)
+    out = torch.empty_like(q)
     for group in batch.groups:
-        span = group.mask.shape[-1]  # index_select is much faster than advanced indexing here
-        keys = cache.k[layer][:, :, :span].index_select(0, group.slots)
-        values = cache.v[layer][:, :, :span].index_select(0, group.slots)
-        query = q[:, :, None] if group.grid is None else q[group.grid].transpose(1, 2)  # (rows, heads, T, head_dim)
-        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask, scale=attn.scaling,
-                                           enable_gqa=True)
-        if group.grid is None:
-            out = o[:, :, 0]
+        span, first = group.mask.shape[-1], group.first_slot
+        if first is not None:  # the rows' slots in order: the cache's own slice
+            keys = cache.k[layer][first: first + len(group.slots), :, :span]
+            values = cache.v[layer][first: first + len(group.slots), :, :span]
+        else:  # index_select is much faster than advanced indexing here
+            keys = cache.k[layer][:, :, :span].index_select(0, group.slots)
+            values = cache.v[layer][:, :, :span].index_select(0, group.slots)
+        if group.grid is None:  # a pure decode step: every row, in packed order
+            out = _decode_attention(q, keys, values, group.mask, attn.scaling)
+        elif group.grid.shape[1] == 1:  # the decode rows of a step that also prefills
+            out[group.grid[:, 0]] = _decode_attention(q[group.grid[:, 0]], keys, values, group.mask, attn.scaling)
         else:
+            query = q[group.grid].transpose(1, 2)  # (rows, heads, T, head_dim)
+            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask, scale=attn.scaling,
+                                               enable_gqa=True)
             out[group.grid[group.valid]] = o.transpose(1, 2)[group.valid]
-    return attn.o_proj(out.reshape(tokens, -1))
+    return _linear(attn.o_proj, out.reshape(tokens, -1))
+
+
+# The layers' own weights through torch.nn.functional: the same arithmetic as calling the HF modules
+# (RMSNorm bit-identical in float32), without a module call's overhead, which at decode sizes is a
+# sizeable part of each of the ~50 small ops of a step.
+def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, module.weight, module.bias)
+
+
+def _norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.float32:  # HF's norm computes in float32 and rounds before the weight
+        return module(x)
+    return F.rms_norm(x, x.shape[-1:], module.weight, module.variance_epsilon)
+
+
+def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):  # transformers' is F.silu too
+        return mlp(x)
+    return _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
 
 
 @torch.inference_mode()
@@ -165,15 +211,17 @@ def forward(model: nn.Module, cache: SlotCache, batch: Batch) -> tuple[torch.Ten
     h = inner.embed_tokens(batch.tokens)
     cos, sin = inner.rotary_emb(h, batch.positions[None])
     cos, sin = cos[0, :, None], sin[0, :, None]  # (N, 1, head_dim): broadcast over heads
+    half = sin.shape[-1] // 2
+    sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # see `attention`
     routed = []
     for i, layer in enumerate(inner.layers):
-        h = h + attention(layer.self_attn, layer.input_layernorm(h), cos, sin, cache, i, batch)
-        x = layer.post_attention_layernorm(h)
+        h = h + attention(layer.self_attn, _norm(layer.input_layernorm, h), cos, sin, cache, i, batch)
+        x = _norm(layer.post_attention_layernorm, h)
         if is_moe(layer):  # HF's sparse MoE block, keeping the routed expert ids (N, top_k)
             _, weights, experts = layer.mlp.gate(x)
             h = h + layer.mlp.experts(x, experts, weights)
             routed.append(experts)
         else:
-            h = h + layer.mlp(x)
-    logits = model.lm_head(inner.norm(h[batch.last]))
+            h = h + _mlp(layer.mlp, x)
+    logits = _linear(model.lm_head, _norm(inner.norm, h[batch.last]))
     return logits, torch.stack(routed, dim=1) if routed else None
