@@ -165,8 +165,7 @@ def test_text_deltas_hold_back_split_characters_tool_calls_and_open_reasoning(to
     rest = live.rest(Turn({"role": "assistant", "content": content}, text, [], "stop", 0))
     assert rest == [] and calls == [{"name": "calc", "arguments": {"x": 1}}]
 
-    live = LiveText(tok)  # a restarted turn: sent text that the new turn does not begin with is an error
-    feed(tok, "first try", live)
-    live.add([1, 2], Sampled(0, encode(tok, "second")))
-    with pytest.raises(RuntimeError, match="sampled it again after a weight update"):
-        live.rest(Turn({"role": "assistant", "content": "second"}, "second", [], "stop", 0))
+    live = LiveText(tok)  # sent text that the finished turn does not begin with is an error: here content
+    feed(tok, "plan</think>answer", live)  # streamed before the model closed a block it never opened
+    with pytest.raises(RuntimeError, match="closed a reasoning block it never opened"):
+        live.rest(Turn({"role": "assistant", "content": "plan</think>answer"}, "plan</think>answer", [], "stop", 0))

@@ -164,18 +164,30 @@ def test_weight_update_during_keep_pause(dense):
     assert (got[before:] - hf_logprobs(new_model, prompt, gen.token_ids)[before:]).abs().max() < 1e-4
 
 
-def test_weight_update_during_restart_pause_resamples_the_whole_turn(dense):
+def test_weight_update_during_drain_lets_running_turns_finish_on_the_old_weights(dense):
+    """pause("drain") returns at once; the running turn goes on under version 0 while the new weights wait
+    (staged); a request that arrives meanwhile waits for them and samples under version 1."""
     new_model = perturbed(dense)
-    prompt = PROMPTS[2]
 
     async def body(engine):
-        return await swap_mid_turn(engine, "restart", new_model, prompt)
+        later = None
 
-    dropped, gen = run_engine(dense, body)
-    assert dropped == 0  # what it had sampled under version 0 is gone
-    assert gen.versions == [1] * 12  # the whole turn from the new weights
-    assert gen.token_ids == hf_greedy(new_model, prompt, 12)
-    assert (torch.tensor(gen.logprobs) - hf_logprobs(new_model, prompt, gen.token_ids)).abs().max() < 1e-4
+        async def arrives_during_the_drain():
+            nonlocal later
+            later = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6)))
+            for _ in range(3):  # the running turn still samples; the new request is not admitted
+                await asyncio.sleep(0)
+            assert engine._running[0].num_sampled > 4 and len(engine._running) == 1
+
+        at_pause, gen = await swap_mid_turn(engine, "drain", new_model, PROMPTS[2], arrives_during_the_drain)
+        return at_pause, gen, await later, engine.version
+
+    _, gen, later, version = run_engine(dense, body)
+    assert gen.versions == [0] * 12 and gen.token_ids == hf_greedy(dense, PROMPTS[2], 12)
+    assert (torch.tensor(gen.logprobs) - hf_logprobs(dense, PROMPTS[2], gen.token_ids)).abs().max() < 1e-4
+    assert later.versions == [1] * 6 and later.token_ids == hf_greedy(new_model, PROMPTS[0], 6)
+    assert (torch.tensor(later.logprobs) - hf_logprobs(new_model, PROMPTS[0], later.token_ids)).abs().max() < 1e-4
+    assert version == 1
 
 
 def test_update_weights_errors(dense):
@@ -301,7 +313,7 @@ def test_requests_leaving_from_the_middle_keep_the_others_exact(dense):
     assert {8, 4} <= {len(s) for s in slots_seen}  # all eight ran, then the four short ones left
 
 
-def test_pause_abort_and_wait(dense):
+def test_pause_abort_and_drain(dense):
     async def body(engine):
         running = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(max_tokens=50, seed=0)))
         while not engine._running or engine._running[0].num_sampled < 3:
@@ -315,13 +327,12 @@ def test_pause_abort_and_wait(dense):
         first = asyncio.create_task(engine.generate(PROMPTS[2], SamplingParams(max_tokens=6, seed=0)))
         while engine.load().running < 2:
             await asyncio.sleep(0)
-        await engine.pause("wait")  # returns once both running requests have finished
-        drained = engine.load().running == 0
-        await asyncio.sleep(0)  # their callers' tasks wake up on the next turn of the event loop
-        waited = drained and first.done() and queued.done()
+        await engine.pause("drain")  # returns at once; the running requests go on and finish
         late = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(max_tokens=2, seed=0)))
+        await asyncio.wait([first, queued])
         await asyncio.sleep(0.01)
-        late_waits = not late.done()
+        waited = engine.load().running == 0
+        late_waits = not late.done() and engine.load().queued == 1
         await engine.resume()
         return aborted, waited, late_waits, await first, await late
 

@@ -65,7 +65,8 @@ def test_a_killed_agent_runner_is_restarted_and_its_groups_run_again(tmp_path, t
 def test_a_killed_engine_serves_again_only_with_the_policys_weights(engines, tmp_path, tiny_model_dir, prompts,
                                                                      clusters):
     cfg = make_cfg(tmp_path, tiny_model_dir, prompts, **{
-        "train.force_sync_mode": True, "engine.num_engines": engines, "train.rollout_dump_dir": str(tmp_path / "dump")})
+        "train.force_sync_mode": True, "engine.num_engines": engines, "train.rollout_dump_dir": str(tmp_path / "dump"),
+        "train.agent_path": str(ROOT / "tests/agents/slow_env.py")})  # step 2's sync comes >= 1.5 s after the kill
     killed = kill_when(logged(tmp_path / "run/metrics.jsonl", 1), lambda: clusters[0].engines[-1])
     run(cfg)
     metrics = rows(tmp_path / "run/metrics.jsonl")

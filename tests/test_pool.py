@@ -72,6 +72,28 @@ def test_sync_mode_generates_again_only_after_the_weights_are_updated():
     assert before == [0, 1] and after == [0, 1, 2, 3]
 
 
+def test_async_mode_runs_one_batch_ahead_of_the_batch_in_training():
+    """async_queue_size 1: while batch k trains, batch k+1 is generated; k+2 waits for the weights that
+    follow step k (sampled earlier it would be two versions stale, or restarted by the weight sync)."""
+    async def main():
+        p, agent = pool()
+        await p.next_batch(2)  # batch 0 (groups 0, 1) goes to training (step 1)
+        await asyncio.sleep(0.01)  # batch 1 (groups 2, 3) runs and finishes meanwhile
+        during = list(agent.launched)
+        p.weights_updated()  # step 1's weights reached the engines
+        await asyncio.sleep(0.01)
+        after_sync = list(agent.launched)
+        second = await p.next_batch(2)
+        await asyncio.sleep(0.01)
+        await p.close()
+        return during, after_sync, [g.group_id for g in second], list(agent.launched)
+
+    during, after_sync, second, launched = asyncio.run(main())
+    assert during == [0, 1, 2, 3]  # not 4, 5: batch 2 would start under the weights before step 1's
+    assert after_sync == [0, 1, 2, 3, 4, 5] and second == [2, 3]
+    assert launched == [0, 1, 2, 3, 4, 5]  # batch 3 waits while batch 1 trains
+
+
 def restarting():
     return ActorUnavailableError("The actor is temporarily unavailable: The actor was restarted", None)
 

@@ -15,20 +15,23 @@ pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")  # in the dev extras:
 
 
 def wandb_runs(run_dir: Path) -> list[tuple[str, str, dict[int, dict]]]:
-    """(run id, job type, {step: logged values}) of each offline W&B run under ``run_dir``, oldest first."""
+    """(run id, job type, {step: logged values}) of each offline W&B run under ``run_dir``, oldest first (by
+    the run's start time: the directory names order runs that start within one second by their ids)."""
     out = []
-    for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
+    for path in run_dir.glob("wandb/offline-run-*/run-*.wandb"):
         run_id = job = ""
+        started = 0
         history: dict[int, dict] = {}
         for record in _records(path):
             kind = record.WhichOneof("record_type")
             if kind == "run":
                 run_id, job = record.run.run_id, record.run.job_type
+                started = record.run.start_time.seconds * 10**9 + record.run.start_time.nanos
             elif kind == "history":
                 row = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
                 history[row.pop("_step")] = {k: v for k, v in row.items() if not k.startswith("_")}
-        out.append((run_id, job, history))
-    return out
+        out.append((started, run_id, job, history))
+    return [run[1:] for run in sorted(out)]
 
 
 def _records(path: Path) -> list:

@@ -40,9 +40,6 @@ class LiveText:
         """The new deltas once ``sampled`` (an increment of the turn's ids) is added."""
         if self.opened is None:
             self.opened = self._decode(prompt_ids[-4:]).rstrip().endswith("<think>")
-        if sampled.start != len(self.ids):  # the engine sampled the turn again: decode it from the start
-            del self.ids[sampled.start:]
-            self.text, self._prefix, self._read = "", 0, 0
         self.ids += sampled.token_ids
         before = self._decode(self.ids[self._prefix:self._read])
         now = self._decode(self.ids[self._prefix:])
@@ -55,9 +52,9 @@ class LiveText:
         """What the finished turn adds to the deltas sent so far."""
         final = split_reasoning(turn.message["content"])
         if not all(text.startswith(self.sent[kind]) for kind, text in zip(("reasoning", "content"), final)):
-            raise RuntimeError("the streamed text is not the text of the finished turn (the engine sampled it again "
-                               "after a weight update, or the model closed a reasoning block it never opened); "
-                               "send the same request again: it is answered from the recorded turn")
+            raise RuntimeError("the streamed text is not the text of the finished turn (the model closed a reasoning "
+                               "block it never opened); send the same request again: it is answered from the "
+                               "recorded turn")
         return self._send(final)
 
     def _decode(self, ids: list[int]) -> str:

@@ -12,7 +12,9 @@ Partial rollouts: `pause("keep")` freezes running requests in their slots; `upda
 the weights and marks their KV cache stale; after `resume` each is re-prefilled (prompt and tokens
 sampled so far) under the new weights before it samples again. So every token after the swap is
 drawn from, and its logprob computed by, exactly the new policy on the full context, which is what
-the trainer recomputes; its `versions` entry says so.
+the trainer recomputes; its `versions` entry says so. `pause("drain")` instead lets running requests
+finish under the weights they started with: `update_weights` keeps the new tensors aside until then,
+and new requests wait for them.
 
 MoE routing: the expert ids of a token are recorded when that token is fed through the model. A
 finished request of an MoE model therefore takes one more (sampling-free) step so that its last
@@ -54,7 +56,6 @@ class Request:
     routed: list[torch.Tensor] = field(default_factory=list)  # (moe_layers, top_k) per routed sampled token
     finish_reason: str | None = None
     progress: asyncio.Event | None = None  # streamed requests: set on each sampled token and when finished
-    restarts: int = 0  # times pause("restart") dropped what it sampled
 
     @property
     def num_sampled(self) -> int:
@@ -88,6 +89,8 @@ class EmbeddedEngine:
         self._prefix_tokens = 0
         self._paused = False
         self._admitting = True
+        self._draining = False  # pause("drain") until resume: new weights wait for the running turns
+        self._staged: tuple[list[tuple[torch.Tensor, torch.Tensor]], int] | None = None  # (param, value), version
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._error: BaseException | None = None
@@ -123,13 +126,11 @@ class EmbeddedEngine:
                      session_id: str | None = None) -> AsyncIterator[Sampled | Generation]:
         """`generate`, yielding each step's new tokens as the scheduler samples them."""
         request = self._submit(prompt_token_ids, sampling_params, session_id, asyncio.Event())
-        sent = restarts = 0
+        sent = 0
         try:
             while True:
                 await request.progress.wait()
                 request.progress.clear()
-                if request.restarts != restarts:
-                    sent, restarts = 0, request.restarts
                 new = request.ids[request.prompt_len + sent:]
                 if new:
                     yield Sampled(sent, new)
@@ -155,41 +156,35 @@ class EmbeddedEngine:
         self._pop_prefix(session_id)  # its KV cache makes room for live sessions
 
     async def pause(self, mode: PauseMode = "keep") -> None:
-        """keep: freeze running requests; restart: freeze them and drop what they sampled, so each is
-        sampled again from its start after `resume`; abort: finish every request now with finish_reason
-        "abort"; wait: admit nothing new and return once the running requests have finished. New
-        requests queue up in every mode until `resume`."""
-        if mode not in ("keep", "restart", "abort", "wait"):
-            raise ValueError(f"pause mode must be 'keep', 'restart', 'abort' or 'wait', got {mode!r}")
-        if mode == "restart":
-            for request in self._running:
-                if request.finish_reason is None:  # (a finished MoE request only awaits its last routing)
-                    del request.ids[request.prompt_len:]
-                    request.restarts += 1
-                    request.logprobs, request.versions, request.routed = [], [], []
-                    request.cached = min(request.cached, request.prompt_len)
-        elif mode == "abort":
+        """keep: freeze running requests; abort: finish every request now with finish_reason "abort";
+        drain: admit nothing new, return at once and let the running requests go on, under the current
+        weights even once new ones arrived (`update_weights` keeps those aside until the running requests
+        have finished). New requests queue up in every mode until `resume` (drain: until the new weights
+        apply)."""
+        if mode not in ("keep", "drain", "abort"):
+            raise ValueError(f"pause mode must be 'keep', 'drain' or 'abort', got {mode!r}")
+        if mode == "drain":
+            self._admitting, self._draining = False, True
+            return
+        if mode == "abort":
             for request in [*self._running, *self._queue]:
                 self._finish(request, request.finish_reason or "abort")
-        elif mode == "wait":
-            self._paused, self._admitting = False, False
-            if self._wake is not None:
-                self._wake.set()
-            while self._running and self._error is None:
-                await asyncio.sleep(0.001)
         self._paused = True
 
     async def resume(self) -> None:
-        self._paused, self._admitting = False, True
+        self._paused, self._draining = False, False
+        self._admitting = self._staged is None  # else once the running requests finished (`_loop`)
         if self._wake is not None:
             self._wake.set()
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy tensors in by HF parameter name (``lm_head.weight`` may be absent when tied), set the
-        policy version, drop cached prefixes and mark running requests' KV stale. Call while paused."""
-        if not self._paused:
+        policy version, drop cached prefixes and mark running requests' KV stale. Call while paused; after
+        pause("drain") with requests running, the tensors are kept aside and applied once those finished."""
+        if not (self._paused or self._draining):
             raise RuntimeError("update_weights needs a paused engine (requests would sample from half-copied "
                                "weights); await engine.pause('keep') first and engine.resume() after")
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         with torch.no_grad():
             for name, tensor in named_tensors:
                 param = self._params.get(name)
@@ -199,7 +194,24 @@ class EmbeddedEngine:
                 if param.shape != tensor.shape:
                     raise ValueError(f"update_weights: {name} has shape {tuple(param.shape)} in the engine, "
                                      f"got {tuple(tensor.shape)}")
-                param.copy_(tensor)
+                if self._draining and self._running:
+                    staged.append((param, tensor.clone()))
+                else:
+                    param.copy_(tensor)
+        if staged:
+            self._staged = (staged, version)
+            return
+        self._apply_version(version)
+
+    @torch.no_grad()
+    def _apply_staged(self) -> None:
+        tensors, version = self._staged
+        for param, tensor in tensors:
+            param.copy_(tensor)
+        self._staged, self._admitting = None, not (self._paused or self._draining)
+        self._apply_version(version)
+
+    def _apply_version(self, version: int) -> None:
         self._version = version
         self._prefixes.clear()
         self._prefix_tokens = 0
@@ -238,6 +250,8 @@ class EmbeddedEngine:
     async def _loop(self) -> None:
         try:
             while True:
+                if self._staged is not None and not self._running:  # a drain has ended
+                    self._apply_staged()
                 if self._paused or not (self._running or (self._admitting and self._queue)):
                     self._wake.clear()
                     await self._wake.wait()

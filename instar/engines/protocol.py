@@ -14,11 +14,12 @@ import torch
 
 from instar.contract import Generation, SamplingParams
 
-PauseMode = Literal["keep", "restart", "abort", "wait"]
+PauseMode = Literal["keep", "drain", "abort"]
 """keep: freeze in-flight requests and continue them after `resume` (partial rollout: a turn's tokens
-may come from two policy versions); restart: drop what in-flight requests sampled and sample them again
-from their start after `resume` (every turn from one version, no waiting); abort: finish them now with
-finish_reason "abort" (tokens so far are returned); wait: stop admitting, let running ones finish."""
+may come from two policy versions); drain: admit nothing new and let in-flight requests finish under the
+weights they started with (every turn from one version; the embedded engine keeps new weights aside
+until then and returns at once, vLLM's pause returns once they finished); abort: finish them now with
+finish_reason "abort" (tokens so far are returned). New requests wait for `resume` in every mode."""
 
 
 @dataclass
@@ -35,8 +36,7 @@ class EngineLoad:
 
 @dataclass
 class Sampled:
-    """Tokens a streamed request sampled: its sampled ids from position ``start`` on. ``start`` goes back
-    to 0 when `pause("restart")` samples the turn again from its start."""
+    """Tokens a streamed request sampled: its sampled ids from position ``start`` on."""
 
     start: int
     token_ids: list[int]

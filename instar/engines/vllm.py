@@ -113,7 +113,6 @@ class VLLMEngine:
         self._moe_layers = moe_layers(llm.model_config.hf_config) if routing_replay else []
         self._ids = itertools.count()
         self._in_flight = 0
-        self._restarts = 0  # pause("restart") calls so far
         self._paused = False
         self.stats = {"prompt_tokens": 0, "prefix_hit_tokens": 0, "sampled_tokens": 0}
 
@@ -168,19 +167,15 @@ class VLLMEngine:
         prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
         self._in_flight += 1
         try:
-            while True:
-                final, restarts, sent = None, self._restarts, 0
-                # closed with this generator: vLLM then aborts the request
-                async with contextlib.aclosing(self.llm.generate(prompt, vllm_params,
-                                                                 f"instar-{next(self._ids)}")) as outputs:
-                    async for final in outputs:  # FINAL_ONLY: one output, when the request finishes
-                        new = final.outputs[0].token_ids[sent:]
-                        if streamed and new:
-                            yield Sampled(sent, list(new))
-                            sent += len(new)
-                # cut by pause("restart"): sample the turn again (it queues until resume, new weights)
-                if not (final.outputs[0].finish_reason == "abort" and self._restarts != restarts):
-                    break
+            final, sent = None, 0
+            # closed with this generator: vLLM then aborts the request
+            async with contextlib.aclosing(self.llm.generate(prompt, vllm_params,
+                                                             f"instar-{next(self._ids)}")) as outputs:
+                async for final in outputs:  # FINAL_ONLY: one output, when the request finishes
+                    new = final.outputs[0].token_ids[sent:]
+                    if streamed and new:
+                        yield Sampled(sent, list(new))
+                        sent += len(new)
         finally:
             self._in_flight -= 1
         self.stats["prompt_tokens"] += len(prompt_token_ids)
@@ -193,14 +188,12 @@ class VLLMEngine:
 
     async def pause(self, mode: PauseMode = "keep") -> None:
         """vLLM's own pause: keep freezes running requests, abort finishes them ("abort", tokens so far
-        returned), wait returns once they finished; restart aborts them and `generate` submits each
-        again. New requests wait for `resume` in every mode."""
-        if mode not in ("keep", "restart", "abort", "wait"):
-            raise ValueError(f"pause mode must be 'keep', 'restart', 'abort' or 'wait', got {mode!r}")
-        if mode == "restart":  # vLLM aborts them; `generate` sees the count move and submits each again
-            self._restarts += 1
+        returned), drain is vLLM's wait: it returns once they finished (vLLM loads weights in place, so
+        they cannot go on beside new ones). New requests wait for `resume` in every mode."""
+        if mode not in ("keep", "drain", "abort"):
+            raise ValueError(f"pause mode must be 'keep', 'drain' or 'abort', got {mode!r}")
         # The KV cache stays: a pause alone changes nothing; `update_weights` invalidates it.
-        await self.llm.pause_generation(mode="abort" if mode == "restart" else mode, clear_cache=False)
+        await self.llm.pause_generation(mode="wait" if mode == "drain" else mode, clear_cache=False)
         self._paused = True
 
     async def resume(self) -> None:

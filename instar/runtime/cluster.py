@@ -106,14 +106,15 @@ class Cluster:
                                    f"{ENGINE_MAX_RESTARTS} times this run); see its log above") from e
 
     async def sync_weights(self, version: int, keep_in_flight: bool) -> dict[str, float]:
-        """Pause the engines (keeping in-flight requests for partial rollout, else restarting them),
-        broadcast trainer rank 0's weights to all of them, set their version, resume."""
+        """Pause the engines (keeping in-flight requests for partial rollout, else letting them finish
+        under the weights they started with), broadcast trainer rank 0's weights to all of them, set their
+        version, resume."""
         if not self.engines:
             return {}
-        # Partial rollout keeps in-flight turns (their tokens then span two versions); otherwise they are
-        # sampled again under the new weights: waiting for them instead stalls the trainer (0.14 s of a
-        # 0.56 s step at the demo's size, 2.8 s of 9.2 s at 16x: bench/rl_step.py)
-        mode = "keep" if keep_in_flight else "restart"
+        # Partial rollout keeps in-flight turns (their tokens then span two versions). Otherwise they drain:
+        # the embedded engine keeps the new weights aside until they end, so the trainer does not wait;
+        # sampling them again instead threw away a third of all sampled tokens (bench/rl_step.py).
+        mode = "keep" if keep_in_flight else "drain"
         t0 = time.perf_counter()
         restarted = sum(await asyncio.gather(*(self._call(i, "pause", mode) for i in range(len(self.engines)))))
         if restarted:  # a restarted engine is in no group: every member joins a new one

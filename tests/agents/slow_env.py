@@ -1,5 +1,6 @@
 """The length Env, but it takes a second and a half to score: its groups are surely in flight when a
-test kills their runner right after a step is logged (the fast one can finish a group first)."""
+test kills their runner (or an engine) right after a step is logged, and the next weight sync surely comes
+after the kill (the fast one can finish a group, or a whole step, first)."""
 
 import asyncio
 

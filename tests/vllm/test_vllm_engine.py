@@ -115,24 +115,6 @@ def test_pause_keep_freezes_then_resume_finishes(vllm):
     assert engine.load().running == 0
 
 
-def test_pause_restart_samples_the_turn_again_after_resume(vllm):
-    engine, loop = vllm
-    want = loop.run(engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=300)))
-    first_id = next(engine._ids)
-    future = asyncio.run_coroutine_threadsafe(
-        engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=300)), loop.loop)
-    wait_until(lambda: engine.load().running == 1)
-    time.sleep(0.2)
-    loop.run(engine.pause("restart"))
-    time.sleep(0.5)
-    assert not future.done()  # cut, submitted again, and held until resume
-    loop.run(engine.resume())
-    gen = future.result(timeout=60)
-    # the whole turn sampled again from its start, as a second request (not the cut part plus a continuation)
-    assert gen.token_ids == want.token_ids and gen.finish_reason == "length" and gen.versions == [0] * 300
-    assert next(engine._ids) == first_id + 3
-
-
 def test_pause_abort_returns_the_tokens_so_far(vllm, dense):
     engine, loop = vllm
     future = asyncio.run_coroutine_threadsafe(
@@ -148,15 +130,15 @@ def test_pause_abort_returns_the_tokens_so_far(vllm, dense):
     assert gen.logprobs == pytest.approx(hf_logprobs(dense, PROMPTS[2], gen.token_ids).tolist(), abs=TOL)
 
 
-def test_pause_wait_drains_and_holds_new_requests(vllm):
+def test_pause_drain_lets_running_requests_finish_and_holds_new_ones(vllm):
     engine, loop = vllm
     running = asyncio.run_coroutine_threadsafe(
         engine.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=400)), loop.loop)
     wait_until(lambda: engine.load().running == 1)
-    # vLLM's "wait" drains scheduled requests; one its core has not scheduled yet is held like a new
-    # one until resume. Give the core a moment to schedule it (400 tokens keep it running meanwhile).
+    # drain is vLLM's "wait": it drains scheduled requests; one its core has not scheduled yet is held like
+    # a new one until resume. Give the core a moment to schedule it (400 tokens keep it running meanwhile).
     time.sleep(0.3)
-    loop.run(engine.pause("wait"))
+    loop.run(engine.pause("drain"))
     finished = running.result(timeout=60)  # before any resume: it ran to the end while paused
     assert len(finished.token_ids) == 400 and finished.finish_reason == "length"  # finished, not cut
     later = asyncio.run_coroutine_threadsafe(
