@@ -54,9 +54,12 @@ class EngineActor:
         threads = cpu_threads(cpu_share)  # see Cluster: how many processes compute at the same time
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
-        self.engine = make_engine(model_path, backend, cfg, routing_replay)
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="engine", daemon=True).start()
+
+        async def build() -> Engine:  # on the engine's loop: vLLM's AsyncLLM binds to the loop it starts on
+            return make_engine(model_path, backend, cfg, routing_replay)
+        self.engine = asyncio.run_coroutine_threadsafe(build(), self.loop).result()
         # Restarted by Ray after a crash, it holds the initial weights, not the policy's, and belongs to
         # no weight-sync group: it refuses requests until the driver sends it the weights (`pause`).
         with warnings.catch_warnings():  # Ray's own property reads a deprecated one
