@@ -12,6 +12,7 @@ import ray
 import torch
 
 from instar.contract import Trajectory
+from instar.runtime.engines import ROLLOUT_NICE
 
 AGENT_MAX_RESTARTS = 3
 """How many times Ray restarts a crashed agent-runner actor in one run (its groups are launched again)."""
@@ -22,6 +23,7 @@ class AgentActor:
     def __init__(self, agent_path: str, model_path: str, engine_handles: list[Any], *, max_len: int,
                  max_new_tokens: int, agent_timeout: float, system_prompt: str | None):
         os.environ["OMP_NUM_THREADS"] = "1"
+        os.nice(ROLLOUT_NICE)
         torch.set_num_threads(1)
         from transformers import AutoTokenizer
 
