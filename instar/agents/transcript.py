@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import html
 import json
 import re
@@ -50,6 +51,24 @@ def split_reasoning(content: str) -> tuple[str, str]:
     template's generation prompt, not sampled) and the rest; ("", content) when there is no reasoning."""
     found = _THINK.match(content)
     return (found.group(1).strip("\n"), content[found.end():]) if found else ("", content)
+
+
+INLINE_RENDER_CHARS = 16384
+"""Requests shorter than this (as JSON) are rendered on the event loop, longer ones on a worker thread."""
+
+
+def _first_prompt(tokenizer: Any, messages: list[Message], tools: list[dict] | None) -> list[int]:
+    """`prompt_ids`, computed once for the samples of a group (they start from one prompt)."""
+    try:
+        conversation = json.dumps([messages, tools])  # key order kept: a template may print it
+    except TypeError:  # not plain JSON: render it as it is
+        return prompt_ids(tokenizer, messages, tools)
+    return list(_cached_prompt(tokenizer, conversation))
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_prompt(tokenizer: Any, conversation: str) -> tuple[int, ...]:
+    return tuple(prompt_ids(tokenizer, *json.loads(conversation)))
 
 
 def _echo_key(message: Message) -> tuple[str, list]:
@@ -131,12 +150,19 @@ class Transcript:
         if self._cache is not None and self._cache[0] == key:
             return self._cache[1]
         messages = self._with_sampled_turns(messages)
-        # Rendering and tokenizing a long conversation takes seconds: off the event loop, so the chat
-        # server keeps serving other sessions meanwhile.
-        new_ids = await asyncio.to_thread(self._delta_ids, messages, tools)
+        # Rendering and tokenizing a long conversation takes seconds: off the event loop, so the chat server
+        # keeps serving other sessions meanwhile. A short one takes well under a millisecond, less than the hop.
+        inline = len(key) < INLINE_RENDER_CHARS
+        if self._open is None:
+            new_ids = None
+        else:
+            new_ids = self._delta_ids(messages, tools) if inline else await asyncio.to_thread(
+                self._delta_ids, messages, tools)
         extends = new_ids is not None
         context = list(self._open.token_ids) if extends else []
-        new_ids = new_ids if extends else await asyncio.to_thread(prompt_ids, self.tokenizer, messages, tools)
+        if not extends:
+            new_ids = _first_prompt(self.tokenizer, messages, tools) if inline else await asyncio.to_thread(
+                prompt_ids, self.tokenizer, messages, tools)
         room = self.max_len - len(context) - len(new_ids)
         if room <= 0:  # not even the observation fits: the rollout ends here
             self.truncated, self.last_finish_reason = True, "length"
