@@ -213,3 +213,15 @@ def test_frozen_router_keeps_its_weights(tiny_moe_dir):
     opt.step()
     assert torch.equal(routers(model)[0].weight, gate0)
     assert not torch.equal(model.model.embed_tokens.weight, embed0)
+
+
+def test_step_inputs_travel_as_one_tensor_per_field_and_come_back_equal():
+    import pickle
+
+    inputs = StepInputs(advantages=[torch.randn(n) for n in (3, 7, 1)], old_logprobs=[], returns=None)
+    wire = pickle.dumps(inputs, protocol=5)
+    back = pickle.loads(wire)
+    assert [t.tolist() for t in back.advantages] == [t.tolist() for t in inputs.advantages]
+    assert back.old_logprobs == [] and back.ref_logprobs is None and back.returns is None
+    flat, lengths = inputs.__reduce__()[1][0]  # the advantages travel as one tensor and their lengths
+    assert flat.shape == (11,) and lengths == [3, 7, 1]

@@ -36,6 +36,16 @@ class StepInputs:
     old_values: list[Tensor] | None = None  # the critic before the update (value clipping)
     returns: list[Tensor] | None = None  # the critic's targets
 
+    def __reduce__(self) -> tuple:
+        """Sent to the trainer ranks each step: each list travels as one flat tensor and its lengths (a
+        tensor pickles in ~0.1 ms whatever its size, so 64 of them took 14 ms to send and receive)."""
+        return _unpack_inputs, tuple(None if v is None else (torch.cat(v) if v else torch.empty(0), [len(t) for t in v])
+                                     for v in (getattr(self, f.name) for f in fields(self)))
+
+
+def _unpack_inputs(*packed: tuple[Tensor, list[int]] | None) -> StepInputs:
+    return StepInputs(*(None if p is None else list(p[0].split(p[1])) for p in packed))
+
 
 @dataclass
 class LossInputs:
