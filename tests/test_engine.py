@@ -165,29 +165,35 @@ def test_weight_update_during_keep_pause(dense):
 
 
 def test_weight_update_during_drain_lets_running_turns_finish_on_the_old_weights(dense):
-    """pause("drain") returns at once; the running turn goes on under version 0 while the new weights wait
-    (staged); a request that arrives meanwhile waits for them and samples under version 1."""
+    """pause("drain") stops nothing; after the update the running turn goes on under version 0 on the old
+    weights while a request that arrives meanwhile samples under version 1, in the same engine steps."""
     new_model = perturbed(dense)
 
     async def body(engine):
-        later = None
+        later, both_ran = None, False
 
-        async def arrives_during_the_drain():
-            nonlocal later
+        async def after_the_update():
+            nonlocal later, both_ran
             later = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6)))
-            for _ in range(3):  # the running turn still samples; the new request is not admitted
+            while not later.done():
+                both_ran |= len(engine._running) == 2
                 await asyncio.sleep(0)
-            assert engine._running[0].num_sampled > 4 and len(engine._running) == 1
 
-        at_pause, gen = await swap_mid_turn(engine, "drain", new_model, PROMPTS[2], arrives_during_the_drain)
-        return at_pause, gen, await later, engine.version
+        task = asyncio.create_task(engine.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=12)))
+        while not engine._running or engine._running[0].num_sampled < 4:
+            await asyncio.sleep(0)
+        await engine.pause("drain")
+        await engine.update_weights(new_model.named_parameters(), version=1)
+        await engine.resume()
+        await after_the_update()
+        return await task, await later, both_ran, engine.version, engine._previous
 
-    _, gen, later, version = run_engine(dense, body)
+    gen, later, both_ran, version, previous = run_engine(dense, body)
     assert gen.versions == [0] * 12 and gen.token_ids == hf_greedy(dense, PROMPTS[2], 12)
     assert (torch.tensor(gen.logprobs) - hf_logprobs(dense, PROMPTS[2], gen.token_ids)).abs().max() < 1e-4
     assert later.versions == [1] * 6 and later.token_ids == hf_greedy(new_model, PROMPTS[0], 6)
     assert (torch.tensor(later.logprobs) - hf_logprobs(new_model, PROMPTS[0], later.token_ids)).abs().max() < 1e-4
-    assert version == 1
+    assert both_ran and version == 1 and previous is None  # the old model is released once its turn ended
 
 
 def test_update_weights_errors(dense):
@@ -327,19 +333,18 @@ def test_pause_abort_and_drain(dense):
         first = asyncio.create_task(engine.generate(PROMPTS[2], SamplingParams(max_tokens=6, seed=0)))
         while engine.load().running < 2:
             await asyncio.sleep(0)
-        await engine.pause("drain")  # returns at once; the running requests go on and finish
+        await engine.pause("drain")  # stops nothing (before an update): running requests go on, new ones start
         late = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(max_tokens=2, seed=0)))
-        await asyncio.wait([first, queued])
-        await asyncio.sleep(0.01)
-        waited = engine.load().running == 0
-        late_waits = not late.done() and engine.load().queued == 1
+        await asyncio.wait([first, queued, late], timeout=30)
+        waited = first.done() and queued.done()
+        late_waits = not late.done()
         await engine.resume()
         return aborted, waited, late_waits, await first, await late
 
     aborted, waited, late_waits, first, late = run_engine(dense, body)
     assert aborted.finish_reason == "abort" and 3 <= len(aborted.token_ids) < 50
     assert len(aborted.logprobs) == len(aborted.versions) == len(aborted.token_ids)
-    assert waited and late_waits
+    assert waited and not late_waits
     assert first.finish_reason == "length" and len(first.token_ids) == 6
     assert len(late.token_ids) == 2
 

@@ -13,8 +13,8 @@ the weights and marks their KV cache stale; after `resume` each is re-prefilled 
 sampled so far) under the new weights before it samples again. So every token after the swap is
 drawn from, and its logprob computed by, exactly the new policy on the full context, which is what
 the trainer recomputes; its `versions` entry says so. `pause("drain")` instead lets running requests
-finish under the weights they started with: `update_weights` keeps the new tensors aside until then,
-and new requests wait for them.
+finish on the weights they started with while new ones start on the new weights at once: the update goes
+into a second copy of the model, and the two forward apart until the old one has no request left.
 
 MoE routing: the expert ids of a token are recorded when that token is fed through the model. A
 finished request of an MoE model therefore takes one more (sampling-free) step so that its last
@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from torch import nn
 from instar.config import EngineConfig
 from instar.contract import Generation, SamplingParams
 from instar.engines.kv_model import SlotCache, check_supported, forward, is_moe, make_batch
+from instar.engines.prefix_cache import CachedPrefix, PrefixCache, common_prefix_len
 from instar.engines.protocol import EngineLoad, PauseMode, Sampled, check_prompt
 from instar.engines.sampling import sample
 
@@ -56,17 +58,11 @@ class Request:
     routed: list[torch.Tensor] = field(default_factory=list)  # (moe_layers, top_k) per routed sampled token
     finish_reason: str | None = None
     progress: asyncio.Event | None = None  # streamed requests: set on each sampled token and when finished
+    previous: bool = False  # started before the weights now in use: it finishes on the previous model (drain)
 
     @property
     def num_sampled(self) -> int:
         return len(self.ids) - self.prompt_len
-
-
-@dataclass
-class CachedPrefix:
-    ids: list[int]
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
 
 
 class EmbeddedEngine:
@@ -85,12 +81,11 @@ class EmbeddedEngine:
         self._holes = False  # a request left its slot since the last `_compact`
         self._queue: deque[Request] = deque()
         self._running: list[Request] = []
-        self._prefixes: OrderedDict[str, CachedPrefix] = OrderedDict()
-        self._prefix_tokens = 0
+        self._prefixes = PrefixCache(self.cfg.prefix_cache_max_tokens)
         self._paused = False
-        self._admitting = True
-        self._draining = False  # pause("drain") until resume: new weights wait for the running turns
-        self._staged: tuple[list[tuple[torch.Tensor, torch.Tensor]], int] | None = None  # (param, value), version
+        self._draining = False  # pause("drain") until resume: new weights go to a second model
+        self._previous: tuple[nn.Module, int] | None = None  # (model, version) the `previous` requests run on
+        self._spare: nn.Module | None = None  # a model the next drained update loads into
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._error: BaseException | None = None
@@ -153,18 +148,16 @@ class EmbeddedEngine:
         return request
 
     def release(self, session_id: str) -> None:
-        self._pop_prefix(session_id)  # its KV cache makes room for live sessions
+        self._prefixes.pop(session_id)  # its KV cache makes room for live sessions
 
     async def pause(self, mode: PauseMode = "keep") -> None:
-        """keep: freeze running requests; abort: finish every request now with finish_reason "abort";
-        drain: admit nothing new, return at once and let the running requests go on, under the current
-        weights even once new ones arrived (`update_weights` keeps those aside until the running requests
-        have finished). New requests queue up in every mode until `resume` (drain: until the new weights
-        apply)."""
+        """keep: freeze running requests; abort: finish every request now with finish_reason "abort"; new
+        requests queue up until `resume`. drain: nothing stops; `update_weights` then loads a second copy of
+        the model, new requests run on it at once and running ones finish on the weights they started with."""
         if mode not in ("keep", "drain", "abort"):
             raise ValueError(f"pause mode must be 'keep', 'drain' or 'abort', got {mode!r}")
         if mode == "drain":
-            self._admitting, self._draining = False, True
+            self._draining = True
             return
         if mode == "abort":
             for request in [*self._running, *self._queue]:
@@ -173,50 +166,42 @@ class EmbeddedEngine:
 
     async def resume(self) -> None:
         self._paused, self._draining = False, False
-        self._admitting = self._staged is None  # else once the running requests finished (`_loop`)
         if self._wake is not None:
             self._wake.set()
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy tensors in by HF parameter name (``lm_head.weight`` may be absent when tied), set the
         policy version, drop cached prefixes and mark running requests' KV stale. Call while paused; after
-        pause("drain") with requests running, the tensors are kept aside and applied once those finished."""
+        pause("drain") with requests running, the tensors go into a second model, which takes the new
+        requests, and the running ones finish on this one (their KV stays)."""
         if not (self._paused or self._draining):
             raise RuntimeError("update_weights needs a paused engine (requests would sample from half-copied "
                                "weights); await engine.pause('keep') first and engine.resume() after")
-        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        drain = self._draining and bool(self._running)
+        while drain and self._previous is not None:  # an older drain still runs: a third model is one too many
+            await asyncio.sleep(0.001)
+        model = (self._spare or copy.deepcopy(self.model)) if drain else self.model
+        params = dict(model.named_parameters(remove_duplicate=False)) if drain else self._params
         with torch.no_grad():
             for name, tensor in named_tensors:
-                param = self._params.get(name)
+                param = params.get(name)
                 if param is None:
                     raise KeyError(f"update_weights got unknown parameter {name!r}; the engine holds HF names "
                                    f"such as {next(iter(self._params))!r}")
                 if param.shape != tensor.shape:
                     raise ValueError(f"update_weights: {name} has shape {tuple(param.shape)} in the engine, "
                                      f"got {tuple(tensor.shape)}")
-                if self._draining and self._running:
-                    staged.append((param, tensor.clone()))
-                else:
-                    param.copy_(tensor)
-        if staged:
-            self._staged = (staged, version)
-            return
-        self._apply_version(version)
-
-    @torch.no_grad()
-    def _apply_staged(self) -> None:
-        tensors, version = self._staged
-        for param, tensor in tensors:
-            param.copy_(tensor)
-        self._staged, self._admitting = None, not (self._paused or self._draining)
-        self._apply_version(version)
-
-    def _apply_version(self, version: int) -> None:
-        self._version = version
+                param.copy_(tensor)
         self._prefixes.clear()
-        self._prefix_tokens = 0
-        for request in self._running:
-            request.cached = 0
+        if drain:
+            self._previous, self._spare = (self.model, self._version), None
+            self.model, self._params = model, params
+            for request in self._running:
+                request.previous = True
+        else:
+            for request in self._running:
+                request.cached = 0
+        self._version = version
 
     async def join_weight_group(self, open_group: Callable, master_addr: str, master_port: int, first_rank: int,
                                 world_size: int, device: str) -> None:
@@ -250,9 +235,7 @@ class EmbeddedEngine:
     async def _loop(self) -> None:
         try:
             while True:
-                if self._staged is not None and not self._running:  # a drain has ended
-                    self._apply_staged()
-                if self._paused or not (self._running or (self._admitting and self._queue)):
+                if self._paused or not (self._running or self._queue):
                     self._wake.clear()
                     await self._wake.wait()
                     continue
@@ -275,7 +258,7 @@ class EmbeddedEngine:
         self._compact()
         leaders: dict[tuple[int, ...], Request] = {}
         twins: list[tuple[Request, Request]] = []  # (request, the one whose prompt it copies after this step)
-        while self._admitting and self._queue and len(self._running) < self.cfg.max_num_seqs:
+        while self._queue and len(self._running) < self.cfg.max_num_seqs:
             request = self._queue.popleft()
             request.slot = len(self._running)
             self._cache.reserve(0, request.slot + 1)
@@ -296,6 +279,8 @@ class EmbeddedEngine:
             request.cached = request.prompt_len - 1
             self.stats["prefix_hit_tokens"] += request.cached
         self._compact()  # after the twins' copies: a leader that finished may leave a hole
+        if self._previous is not None and not any(r.previous for r in self._running):  # the drain is over
+            self._spare, self._previous = self._previous[0], None
 
     def _compact(self) -> None:
         """Move requests into the slots that finished ones left, so the running requests hold slots
@@ -314,12 +299,14 @@ class EmbeddedEngine:
     def _forward_groups(self) -> list[list[Request]]:
         """Running requests split into forwards of at most ``max_num_batched_tokens`` new tokens:
         usually one forward for all (decode rows and new prompts together); a longer single prompt
-        runs alone. Rows of one length are in slot order (see `_compact`)."""
+        runs alone; during a drain, the requests on the previous model forward apart. Rows of one length
+        are in slot order (see `_compact`)."""
         groups: list[list[Request]] = [[]]
         size = 0
-        for request in sorted(self._running, key=lambda r: (len(r.ids) - r.cached, r.slot)):
+        for request in sorted(self._running, key=lambda r: (r.previous, len(r.ids) - r.cached, r.slot)):
             n = len(request.ids) - request.cached
-            if groups[-1] and size + n > self.cfg.max_num_batched_tokens:
+            full = size + n > self.cfg.max_num_batched_tokens
+            if groups[-1] and (full or groups[-1][0].previous != request.previous):
                 groups.append([])
                 size = 0
             groups[-1].append(request)
@@ -330,7 +317,8 @@ class EmbeddedEngine:
         """One forward over ``group``'s uncached tokens, then one sampled token for each live request."""
         new = [r.ids[r.cached:] for r in group]
         batch = make_batch(self._cache, new, [r.slot for r in group], [r.cached for r in group])
-        logits, routed = forward(self.model, self._cache, batch)
+        model, version = self._previous if group[0].previous else (self.model, self._version)
+        logits, routed = forward(model, self._cache, batch)
         offset = 0
         for request, ids in zip(group, new):
             if routed is not None:
@@ -351,7 +339,7 @@ class EmbeddedEngine:
         for request, token, logprob in zip(requests, tokens.tolist(), logprobs.tolist()):
             request.ids.append(token)
             request.logprobs.append(logprob)
-            request.versions.append(self._version)
+            request.versions.append(version)
             if request.progress is not None:
                 request.progress.set()
             if token in request.params.stop_token_ids:
@@ -396,25 +384,16 @@ class EmbeddedEngine:
 
     @torch.inference_mode()
     def _save_prefix(self, request: Request) -> None:
-        if not (self.cfg.enable_prefix_caching and request.session_id is not None and request.cached > 0):
-            return
-        keys, values = self._cache.read(request.slot, request.cached)
-        self._pop_prefix(request.session_id)
-        self._prefixes[request.session_id] = CachedPrefix(request.ids[: request.cached], keys, values)
-        self._prefix_tokens += request.cached
-        while self._prefix_tokens > self.cfg.prefix_cache_max_tokens:  # least recently saved first
-            self._pop_prefix(next(iter(self._prefixes)))
-
-    def _pop_prefix(self, session_id: str) -> CachedPrefix | None:
-        entry = self._prefixes.pop(session_id, None)
-        if entry is not None:
-            self._prefix_tokens -= len(entry.ids)
-        return entry
+        """A finished session's keys/values, unless they are of weights no longer in use (a drain)."""
+        if (self.cfg.enable_prefix_caching and request.session_id is not None and request.cached > 0
+                and not request.previous):
+            keys, values = self._cache.read(request.slot, request.cached)
+            self._prefixes.save(request.session_id, CachedPrefix(request.ids[: request.cached], keys, values))
 
     def _reuse_prefix(self, request: Request) -> None:
         """Copy the session's cached keys/values for the longest common prefix into the new slot; at
         least the last prompt token is always fed, since its logits give the first sample."""
-        entry = self._pop_prefix(request.session_id) if request.session_id is not None else None
+        entry = self._prefixes.pop(request.session_id) if request.session_id is not None else None
         if entry is None:
             return
         n = common_prefix_len(entry.ids, request.ids[:-1])
@@ -422,8 +401,3 @@ class EmbeddedEngine:
             self._cache.write(request.slot, entry.keys, entry.values, n)
             request.cached = n
             self.stats["prefix_hit_tokens"] += n
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    return n if a[:n] == b[:n] else next(i for i in range(n) if a[i] != b[i])

@@ -16,10 +16,11 @@ from instar.contract import Generation, SamplingParams
 
 PauseMode = Literal["keep", "drain", "abort"]
 """keep: freeze in-flight requests and continue them after `resume` (partial rollout: a turn's tokens
-may come from two policy versions); drain: admit nothing new and let in-flight requests finish under the
-weights they started with (every turn from one version; the embedded engine keeps new weights aside
-until then and returns at once, vLLM's pause returns once they finished); abort: finish them now with
-finish_reason "abort" (tokens so far are returned). New requests wait for `resume` in every mode."""
+may come from two policy versions); drain: in-flight requests finish on the weights they started with
+and new ones run on the new weights (every turn from one version; the embedded engine runs both at once,
+from a second copy of the model; vLLM's pause returns once they finished, new requests waiting for
+`resume`); abort: finish them now with finish_reason "abort" (tokens so far are returned). New requests
+wait for `resume` after keep and abort."""
 
 
 @dataclass
