@@ -380,8 +380,6 @@ class EmbeddedEngine:
         return Generation(token_ids=request.ids[request.prompt_len:], logprobs=request.logprobs,
                           versions=request.versions, finish_reason=request.finish_reason, routed_experts=routed)
 
-    # -- prefix cache ----------------------------------------------------------------------------
-
     @torch.inference_mode()
     def _save_prefix(self, request: Request) -> None:
         """A finished session's keys/values, unless they are of weights no longer in use (a drain)."""
@@ -394,9 +392,7 @@ class EmbeddedEngine:
         """Copy the session's cached keys/values for the longest common prefix into the new slot; at
         least the last prompt token is always fed, since its logits give the first sample."""
         entry = self._prefixes.pop(request.session_id) if request.session_id is not None else None
-        if entry is None:
-            return
-        n = common_prefix_len(entry.ids, request.ids[:-1])
+        n = 0 if entry is None else common_prefix_len(entry.ids, request.ids[:-1])
         if n:
             self._cache.write(request.slot, entry.keys, entry.values, n)
             request.cached = n
