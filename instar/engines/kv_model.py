@@ -7,8 +7,9 @@ layer. One forward takes every request's not-yet-cached tokens packed back to ba
 decode rows together, no padding through the projections and MLP), writes their keys and values at
 the request's own positions, and attends per group of rows with a causal mask per row.
 
-The forward calls the HF model's own submodules (norms, projections, rotary embedding, MLP, MoE
-router and experts), so its arithmetic is HF's; only attention and the cache are written here.
+The forward uses the HF model's own modules and weights (norms, projections and the SiLU MLP through
+torch.nn.functional, the rotary embedding, MoE router and experts called as they are), so its
+arithmetic is HF's; only attention and the cache are written here.
 """
 
 from __future__ import annotations
@@ -58,8 +59,7 @@ class SlotCache:
         if length <= self.shape[2] and slots <= self.shape[0]:
             return
         old_slots, old_length = self.shape[0], self.shape[2]
-        self.shape = (max(slots, old_slots if slots <= old_slots else 2 * old_slots), self.shape[1],
-                      max(length, old_length if length <= old_length else 2 * old_length), self.shape[3])
+        self.shape = (_grown(old_slots, slots), self.shape[1], _grown(old_length, length), self.shape[3])
         for kv in (self.k, self.v):
             for i, old in enumerate(kv):
                 kv[i] = torch.zeros(self.shape, dtype=self.dtype)
@@ -80,6 +80,10 @@ class SlotCache:
         for cache, saved in ((self.k, keys), (self.v, values)):
             for layer_cache, layer_saved in zip(cache, saved):
                 layer_cache[slot, :, :length] = layer_saved[:, :length]
+
+
+def _grown(have: int, need: int) -> int:
+    return have if need <= have else max(need, 2 * have)
 
 
 @dataclass
