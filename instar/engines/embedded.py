@@ -37,7 +37,7 @@ from torch import nn
 
 from instar.config import EngineConfig
 from instar.contract import Generation, SamplingParams
-from instar.engines.kv_model import SlotCache, check_supported, forward, is_moe, make_batch
+from instar.engines.kv_model import SlotCache, check_supported, forward, is_moe, load_named, make_batch
 from instar.engines.prefix_cache import CachedPrefix, PrefixCache, common_prefix_len
 from instar.engines.protocol import EngineLoad, PauseMode, Sampled, check_prompt
 from instar.engines.sampling import sample
@@ -182,16 +182,10 @@ class EmbeddedEngine:
             await asyncio.sleep(0.001)
         model = (self._spare or copy.deepcopy(self.model)) if drain else self.model
         params = dict(model.named_parameters(remove_duplicate=False)) if drain else self._params
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                param = params.get(name)
-                if param is None:
-                    raise KeyError(f"update_weights got unknown parameter {name!r}; the engine holds HF names "
-                                   f"such as {next(iter(self._params))!r}")
-                if param.shape != tensor.shape:
-                    raise ValueError(f"update_weights: {name} has shape {tuple(param.shape)} in the engine, "
-                                     f"got {tuple(tensor.shape)}")
-                param.copy_(tensor)
+        if drain:  # no request uses that copy: it loads (and a broadcast arrives) while the steps go on
+            await asyncio.to_thread(load_named, params, named_tensors)
+        else:
+            load_named(params, named_tensors)
         self._prefixes.clear()
         if drain:
             self._previous, self._spare = (self.model, self._version), None

@@ -14,6 +14,7 @@ arithmetic is HF's; only attention and the cache are written here.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -229,3 +230,17 @@ def forward(model: nn.Module, cache: SlotCache, batch: Batch) -> tuple[torch.Ten
             h = h + _mlp(layer.mlp, x)
     logits = _linear(model.lm_head, _norm(inner.norm, h[batch.last]))
     return logits, torch.stack(routed, dim=1) if routed else None
+
+
+@torch.no_grad()
+def load_named(params: dict[str, torch.Tensor], named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy each tensor into the parameter of its HF name, checking the name and shape."""
+    for name, tensor in named_tensors:
+        param = params.get(name)
+        if param is None:
+            raise KeyError(f"update_weights got unknown parameter {name!r}; the engine holds HF names such as "
+                           f"{next(iter(params))!r}")
+        if param.shape != tensor.shape:
+            raise ValueError(f"update_weights: {name} has shape {tuple(param.shape)} in the engine, "
+                             f"got {tuple(tensor.shape)}")
+        param.copy_(tensor)
