@@ -94,6 +94,25 @@ def test_async_mode_runs_one_batch_ahead_of_the_batch_in_training():
     assert launched == [0, 1, 2, 3, 4, 5]  # batch 3 waits while batch 1 trains
 
 
+def test_a_slow_group_is_trained_before_later_ones_that_finished_first():
+    """Launch order, not finishing order: taken a step later, a slow group would be a version staler than
+    --train.async_queue_size allows."""
+    class SlowFirst(FakeAgent):
+        async def remote(self, tasks):
+            if tasks[0].group_id == 1:
+                await asyncio.sleep(0.05)
+            return await super().remote(tasks)
+
+    async def main():
+        p, _ = pool()
+        p.agents = [SlowFirst()]
+        first = await p.next_batch(2)
+        await p.close()
+        return [g.group_id for g in first]
+
+    assert asyncio.run(main()) == [0, 1]  # groups 2 and 3 finished before group 1
+
+
 def restarting():
     return ActorUnavailableError("The actor is temporarily unavailable: The actor was restarted", None)
 
@@ -111,7 +130,7 @@ def test_groups_of_a_restarted_agent_runner_run_again_and_are_counted(monkeypatc
     batch, agent, metrics = asyncio.run(main())
     assert agent.launched == [0, 1, 0, 1, 0] and agent.prompts[:2] == agent.prompts[2:4]  # same groups, prompts
     assert [(g.group_id, g.prompt_index, len(g.trajectories)) for g in batch] == [
-        (1, agent.prompts[1], 2), (0, agent.prompts[0], 2)]  # in the order they finished
+        (0, agent.prompts[0], 2), (1, agent.prompts[1], 2)]  # in launch order (group 1 finished first)
     assert metrics == {"faults/agent_restarts": 1.0, "faults/requeued_groups": 2.0}
 
 

@@ -5,7 +5,7 @@ Staleness is bounded by how far generation may run ahead: at most `batch_size * 
 groups are launched and not yet trained with the engines holding the result, the batch in training
 counted until `weights_updated`. So while batch k trains, batches k+1 .. k+async_queue_size are
 generated, and a group is trained at most `async_queue_size` policy versions after the one it started
-under (FIFO). Counting the batch in training matters: launching batch k+2 during step k would sample
+under (batches are taken in launch order). Counting the batch in training matters: launching batch k+2 during step k would sample
 it under weights one version too old, and without partial rollout the weight sync at the end of step k
 restarts what it sampled (measured: a third of all sampled tokens thrown away at async_queue_size 1).
 Sync mode is the same rule with nothing ahead (`batch_size` groups): each batch is sampled by the policy
@@ -162,19 +162,26 @@ class RolloutPool:
         self.fill()
 
     async def next_batch(self, n: int) -> list[Group]:
-        """Wait until `n` groups have finished; return the oldest `n` (the rest stay for the next step).
-        The previous batch is done with: trained (and `weights_updated`), or dropped by the loop."""
+        """Wait until the `n` oldest groups (in launch order) have finished and return them; the rest stay for
+        the next step. In launch order, not as they finish: a slow group taken one step later would be one
+        version staler than the bound. The previous batch is done with: trained (and `weights_updated`), or
+        dropped by the loop."""
         self.training = 0
         self.fill()
-        while len(self.done) < n:
+        while not self._oldest_done(n):
             if self.error is not None:
                 raise RuntimeError(f"an agent runner failed: {self.error}") from self.error
             if not self.in_flight:
                 raise RuntimeError("rollout pool is empty: no group in flight and too few finished")
             await asyncio.wait(list(self.in_flight), return_when=asyncio.FIRST_COMPLETED)
+        self.done.sort(key=lambda g: g.group_id)
         batch, self.done = self.done[:n], self.done[n:]
         self.training = len(batch)
         return batch
+
+    def _oldest_done(self, n: int) -> bool:
+        flying = min((group.group_id for group, *_ in self.in_flight.values()), default=None)
+        return len(self.done) >= n and (flying is None or sum(g.group_id < flying for g in self.done) >= n)
 
     def weights_updated(self) -> None:
         self.training = 0
