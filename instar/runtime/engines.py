@@ -4,7 +4,7 @@ Each actor hosts one engine (embedded PyTorch or vLLM) on an asyncio loop of its
 from every agent runner are continuously batched together, and Ray's own actor loop, which only relays
 calls to it, is never busy: each of Ray's awaits around a call costs a turn of the loop it runs on, and a
 turn of the engine's loop is a whole engine step (a pause took 35-330 ms to arrive at a busy engine this
-way, 1-5 ms once relayed). Weights arrive over a dedicated process group
+way, 8-17 ms once relayed). Weights arrive over a dedicated process group
 (trainer rank 0 -> every engine), never through Ray's object store.
 """
 
@@ -136,7 +136,7 @@ class EngineActor:
                                                             world_size, device))
 
     async def receive_weights(self, version: int) -> None:
-        """Receive one broadcast from trainer rank 0 and load it (the engine must be paused)."""
+        """Receive one broadcast from trainer rank 0 and load it (after `pause`: keep or drain)."""
         await self._on_engine(self.engine.receive_weights(receive_weights, version))
         self.stale = False
 

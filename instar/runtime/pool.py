@@ -5,11 +5,10 @@ Staleness is bounded by how far generation may run ahead: at most `batch_size * 
 groups are launched and not yet trained with the engines holding the result, the batch in training
 counted until `weights_updated`. So while batch k trains, batches k+1 .. k+async_queue_size are
 generated, and a group is trained at most `async_queue_size` policy versions after the one it started
-under (batches are taken in launch order). Counting the batch in training matters: launching batch k+2 during step k would sample
-it under weights one version too old, and without partial rollout the weight sync at the end of step k
-restarts what it sampled (measured: a third of all sampled tokens thrown away at async_queue_size 1).
-Sync mode is the same rule with nothing ahead (`batch_size` groups): each batch is sampled by the policy
-it trains.
+under (batches are taken in launch order). Counting the batch in training matters: batch k+2 started
+during step k would be sampled under weights one version too old (sampling it again at the sync threw
+away a third of all sampled tokens at async_queue_size 1). Sync mode is the same rule with nothing ahead
+(`batch_size` groups): each batch is sampled by the policy it trains.
 
 A group whose agent runner died (Ray restarts it) is launched again: same prompt, same group id, fresh
 rollouts; a runner Ray no longer restarts stops the run.
