@@ -124,6 +124,9 @@ class DataConfig:
     """Key of the label given to the agent."""
     tools_key: str = "tools"
     """Key of an optional list of tool schemas for the chat template."""
+    tool_parser: Literal["hermes", "llama3_json", "mistral"] = "hermes"
+    """Format of the tool calls the model writes (vLLM's --tool-call-parser names): Hermes/Qwen ``<tool_call>``
+    JSON, Llama 3 JSON (``<|python_tag|>``), Mistral ``[TOOL_CALLS]``. The chat template writes them back."""
     apply_chat_template: bool = True
     """Render string prompts as a user message with the tokenizer's chat template."""
     system_prompt: str | None = None

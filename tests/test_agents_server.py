@@ -42,18 +42,21 @@ SCRIPT = [
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 
-def scripted_model_dir(tmp_path_factory) -> Path:
-    """The tiny model trained (~2 s) until greedy decoding replays SCRIPT's assistant turns; built once
-    per test session and shared by every agents test module."""
+def scripted_model_dir(tmp_path_factory, script=SCRIPT, chat_template: str | None = None,
+                       name: str = "agents_scripted_model") -> Path:
+    """The tiny model trained (~2 s) until greedy decoding replays the script's assistant turns (rendered
+    with ``chat_template``, the kit's by default); built once per test session and shared by every agents
+    test module."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = tmp_path_factory.getbasetemp() / "agents_scripted_model"
+    out = tmp_path_factory.getbasetemp() / name
     if (out / "config.json").exists():
         return out
     base = build_tiny_model(tmp_path_factory.getbasetemp() / "agents_base_model", TinySpec())
     tok, model = AutoTokenizer.from_pretrained(base), AutoModelForCausalLM.from_pretrained(base)
+    tok.chat_template = chat_template or tok.chat_template
     data = []
-    for tools, messages in SCRIPT:
+    for tools, messages in script:
         ids = encode(tok, render(tok, messages, tools, generation_prompt=False))
         mask = torch.zeros(len(ids), dtype=torch.bool)
         for i, m in enumerate(messages):
@@ -107,11 +110,11 @@ class Recorded:
 
 
 @contextlib.asynccontextmanager
-async def serving(scripted, max_len=1024, max_new_tokens=64):
+async def serving(scripted, max_len=1024, max_new_tokens=64, tool_parser="hermes"):
     engine = Recorded(EmbeddedEngine.from_pretrained(scripted.path))
     try:
         async with ChatServer(engine, scripted.tokenizer, model_name="tiny", max_len=max_len,
-                              max_new_tokens=max_new_tokens) as server:
+                              max_new_tokens=max_new_tokens, tool_parser=tool_parser) as server:
             yield server, engine
     finally:
         await engine.engine.close()

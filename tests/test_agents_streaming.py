@@ -13,7 +13,8 @@ from transformers import AutoTokenizer
 from instar.agents import ChatServer, SamplingParams
 from instar.agents.live import Delta, LiveText
 from instar.agents.transcript import Turn
-from instar.data.chat import encode, parse_tool_calls
+from instar.data.chat import encode
+from instar.data.tool_calls import parse_tool_calls
 from instar.engines import EmbeddedEngine
 from instar.engines.protocol import Sampled
 

@@ -3,7 +3,8 @@
 import pytest
 from transformers import AutoTokenizer
 
-from instar.data.chat import continuation_text, encode, parse_tool_calls, prompt_messages, render
+from instar.data.chat import continuation_text, encode, prompt_messages, render
+from instar.data.tool_calls import parse_tool_calls
 
 END = "<|im_end|>"
 USER = {"role": "user", "content": "What is 2+3?"}
@@ -74,6 +75,52 @@ def test_parse_tool_calls_takes_well_formed_calls_and_leaves_the_rest_in_the_con
     assert parse_tool_calls(not_object) == (not_object, [])
     assert parse_tool_calls('<tool_call>{"name": "f"}</tool_call>') == ("", [{"name": "f", "arguments": {}}])
     assert parse_tool_calls("The answer is 5.") == ("The answer is 5.", [])
+
+
+def test_llama3_json_calls_take_parameters_or_arguments_after_the_python_tag_separated_by_semicolons():
+    def parse(text):
+        return parse_tool_calls(text, "llama3_json")
+
+    two = ('<|python_tag|>{"name": "calc", "parameters": {"e": "2+3", "nested": {"a": [1, {"b": 2}]}}}; '
+           '{"name": "search", "arguments": {"q": "x"}}')
+    assert parse(two) == ("", [{"name": "calc", "arguments": {"e": "2+3", "nested": {"a": [1, {"b": 2}]}}},
+                               {"name": "search", "arguments": {"q": "x"}}])
+    assert parse('Sure. {"name": "f", "parameters": {}}') == ("Sure.", [{"name": "f", "arguments": {}}])
+    for plain in ("The set {1, 2} has two elements.", '{"x": 1} is not a call', '{"name": "f", "parameters": 3}',
+                  '<|python_tag|>{"name": "calc", "parameters": {"e": '):
+        assert parse(plain) == (plain, [])
+    # an object's inner objects are never calls of their own, inside a call or not
+    assert parse('{"name": "f", "arguments": {"inner": {"name": "g", "arguments": {}}}}') == (
+        "", [{"name": "f", "arguments": {"inner": {"name": "g", "arguments": {}}}}])
+    wrapped = '{"result": {"name": "g", "arguments": {}}}'
+    assert parse(wrapped) == (wrapped, [])
+
+
+def test_mistral_calls_as_a_json_list_or_name_args_blocks_and_a_broken_block_leaves_the_turn_as_text():
+    def parse(text):
+        return parse_tool_calls(text, "mistral")
+
+    listed = 'Let me look. [TOOL_CALLS][{"name": "calc", "arguments": {"e": "2+3"}}, {"name": "f", "arguments": {}}]'
+    assert parse(listed) == ("Let me look.", [{"name": "calc", "arguments": {"e": "2+3"}},
+                                              {"name": "f", "arguments": {}}])
+    named = '[TOOL_CALLS]calc[ARGS]{"e": "2+3"}[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    assert parse(named) == ("", [{"name": "calc", "arguments": {"e": "2+3"}},
+                                 {"name": "get_weather", "arguments": {"city": "Paris"}}])
+    for broken in ('[TOOL_CALLS][{"name": "calc", "arguments": {', '[TOOL_CALLS][{"arguments": {}}]',
+                   '[TOOL_CALLS]calc[ARGS][1, 2]', "no calls here", '{"name": "f", "arguments": {}}'):
+        assert parse(broken) == (broken, [])
+
+
+def test_a_tool_parser_is_named_as_vllm_names_it_and_the_flag_offers_exactly_these():
+    import typing
+
+    from instar.config import DataConfig
+    from instar.data.tool_calls import PARSERS, parser_named
+
+    flag = typing.get_type_hints(DataConfig)["tool_parser"]
+    assert set(typing.get_args(flag)) == set(PARSERS) == {"hermes", "llama3_json", "mistral"}
+    with pytest.raises(ValueError, match="unknown tool parser 'pythonic': one of hermes, llama3_json, mistral"):
+        parser_named("pythonic")
 
 
 def test_prompt_messages_wraps_strings_and_prepends_the_system_prompt_once():

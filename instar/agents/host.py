@@ -30,11 +30,11 @@ class AgentHost:
 
     def __init__(self, runner: StepEnvRunner | ChatAgentRunner, engine: Sampler, tokenizer: Any, *, max_len: int,
                  max_new_tokens: int, agent_timeout: float, system_prompt: str | None = None,
-                 model_name: str = "policy") -> None:
+                 model_name: str = "policy", tool_parser: str = "hermes") -> None:
         self.runner, self.agent_timeout, self.system_prompt = runner, agent_timeout, system_prompt
         self.max_len = max_len
         self.server = ChatServer(engine, tokenizer, model_name=model_name, max_len=max_len,
-                                 max_new_tokens=max_new_tokens)
+                                 max_new_tokens=max_new_tokens, tool_parser=tool_parser)
         self.dropped: Counter[str] = Counter()
         self.finished = self.cancelled = 0
         self._running: set[asyncio.Task] = set()

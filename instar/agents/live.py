@@ -1,8 +1,9 @@
 """A turn's text while the engine samples it: sampled ids in, text deltas out that are sure to be part of
 the finished turn, so a stream can send them before it ends.
 
-What waits: the bytes of an incomplete UTF-8 character; a ``<tool_call>`` and everything after it (a call
-needs its whole text to parse, and is sent when the turn ends); whitespace at either end of the answer
+What waits: the bytes of an incomplete UTF-8 character; text that may open a tool call (``<tool_call>`` in
+the default format) and everything after it (a call needs its whole text to parse, and is sent when the
+turn ends); whitespace at either end of the answer
 (stripped when the turn holds a tool call). Reasoning (``<think>``...``</think>``, the opening tag sampled
 or written by the generation prompt) is sent whole once ``</think>`` is sampled; the answer after it
 streams token by token. `LiveText.rest` gives what waited, from the finished turn.
@@ -16,8 +17,6 @@ from typing import Any, Literal
 from instar.agents.transcript import Turn, split_reasoning
 from instar.engines.protocol import Sampled
 
-_TOOL_TAG = "<tool_call>"
-
 
 @dataclass
 class Delta:
@@ -28,8 +27,8 @@ class Delta:
 class LiveText:
     """One streamed turn's decoder."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, call_starts: tuple[str, ...] = ("<tool_call>",)) -> None:
+        self.tokenizer, self.call_starts = tokenizer, call_starts
         self.ids: list[int] = []
         self.text = ""  # decoded ids[:_read], whole characters only
         self._prefix = self._read = 0  # decode from _prefix: a tokenizer may write a token differently at the start
@@ -63,10 +62,7 @@ class LiveText:
     def _safe(self) -> tuple[str, str]:
         """(reasoning, content) that the finished turn is sure to begin with."""
         text = self.text
-        cut = text.find(_TOOL_TAG)
-        if cut < 0:  # a tag may be starting at the end
-            cut = next((i for i in range(max(len(text) - len(_TOOL_TAG), 0), len(text))
-                        if _TOOL_TAG.startswith(text[i:])), len(text))
+        cut = min(_opening(text, start) for start in self.call_starts)
         text = text[:cut].rstrip()
         if "</think>" in text:  # the reasoning is complete (split as the finished turn will be)
             return split_reasoning(text)
@@ -83,3 +79,11 @@ class LiveText:
                 deltas.append(Delta(kind, text[len(sent):]))
                 self.sent[kind] = text
         return deltas
+
+
+def _opening(text: str, start: str) -> int:
+    """Where ``start`` first occurs in ``text``, or begins at its end (the rest may still come); else len(text)."""
+    cut = text.find(start)
+    if cut >= 0:
+        return cut
+    return next((i for i in range(max(len(text) - len(start), 0), len(text)) if start.startswith(text[i:])), len(text))

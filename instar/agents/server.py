@@ -38,6 +38,7 @@ from instar.agents.live import Delta, LiveText
 from instar.agents.transcript import Transcript, Turn
 from instar.contract import SamplingParams
 from instar.data.chat import Message
+from instar.data.tool_calls import parser_named
 from instar.engines.protocol import Sampled, Sampler
 
 MAX_SESSIONS = 4096  # open at once per agent runner: each holds a transcript until its rollout ends
@@ -77,8 +78,10 @@ class ChatServer:
     """Serves every session of one agent-runner process. Use ``async with ChatServer(...)``."""
 
     def __init__(self, engine: Sampler, tokenizer: Any, *, model_name: str, max_len: int, max_new_tokens: int,
-                 max_sessions: int = MAX_SESSIONS, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+                 max_sessions: int = MAX_SESSIONS, max_body_bytes: int = MAX_BODY_BYTES,
+                 tool_parser: str = "hermes") -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.tool_parser = parser_named(tool_parser).name  # an unknown name fails here, not per request
         self.max_len, self.max_new_tokens = max_len, max_new_tokens
         self.max_sessions, self.max_body_bytes = max_sessions, max_body_bytes
         self.sessions: dict[str, Session] = {}
@@ -111,7 +114,7 @@ class ChatServer:
 
     def transcript(self, session_id: str) -> Transcript:
         return Transcript(self.engine, self.tokenizer, session_id=session_id, max_len=self.max_len,
-                          max_new_tokens=self.max_new_tokens)
+                          max_new_tokens=self.max_new_tokens, tool_parser=self.tool_parser)
 
     def open(self, sampling: SamplingParams | None = None) -> Session:
         """A new session with a fresh transcript and secret; ``close`` it when the rollout ends."""
@@ -174,10 +177,10 @@ def _sampling(session: Session, traced: bool, **asked: Any) -> SamplingParams:
     return session.sampling.replace(**asked)
 
 
-async def _live(tokenizer: Any, sample: Callable[..., Awaitable[Turn]]) -> AsyncIterator[Delta | Turn]:
+async def _live(text: LiveText, sample: Callable[..., Awaitable[Turn]]) -> AsyncIterator[Delta | Turn]:
     """The text deltas of the turn ``sample(on_tokens)`` samples, as the engine samples it, then the Turn;
     closing it early cancels the turn."""
-    text, parts = LiveText(tokenizer), asyncio.Queue()
+    parts: asyncio.Queue = asyncio.Queue()
 
     def on_tokens(prompt_ids: list[int], sampled: Sampled) -> None:
         for delta in text.add(prompt_ids, sampled):
@@ -323,7 +326,8 @@ def build_app(server: ChatServer) -> FastAPI:
                 return turn
 
             if body.stream:
-                return await _stream(request, _live(server.tokenizer, sample), lambda p: events(p, body.model, rid))
+                live = LiveText(server.tokenizer, parser_named(server.tool_parser).starts)
+                return await _stream(request, _live(live, sample), lambda p: events(p, body.model, rid))
             return respond(await _unless_disconnected(request, sample()), body.model, rid)
         return handler
 

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from instar.contract import NO_VERSION, Generation, Sample, SamplingParams
-from instar.data.chat import Message, continuation_text, encode, parse_tool_calls, prompt_ids
+from instar.data.chat import Message, continuation_text, encode, prompt_ids
+from instar.data.tool_calls import parser_named
 from instar.engines.protocol import Sampled, Sampler
 
 
@@ -115,8 +116,9 @@ class Transcript:
     """
 
     def __init__(self, engine: Sampler, tokenizer: Any, *, session_id: str, max_len: int, max_new_tokens: int,
-                 stop_token_ids: list[int] | None = None) -> None:
+                 stop_token_ids: list[int] | None = None, tool_parser: str = "hermes") -> None:
         self.engine, self.tokenizer, self.session_id = engine, tokenizer, session_id
+        self.tool_parser = parser_named(tool_parser)
         self.max_len, self.max_new_tokens = max_len, max_new_tokens
         self.stop_token_ids = stop_token_ids if stop_token_ids is not None else [tokenizer.eos_token_id]
         self.sealed: list[Sample] = []
@@ -211,7 +213,7 @@ class Transcript:
         seg.append(ids, gen)
         self._ended = bool(ids) and ids[-1] in self.stop_token_ids
         text = self.tokenizer.decode(ids[:-1] if self._ended else ids, skip_special_tokens=False)
-        content, calls = parse_tool_calls(text)
+        content, calls = self.tool_parser.split(text)
         calls = [{"id": f"call_{self._turns}_{i}", "type": "function", "function": c} for i, c in enumerate(calls)]
         message: Message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
         self._turns += 1

@@ -8,14 +8,9 @@ is rendered and tokenized, once, and appended to the exact ids so far.
 
 from __future__ import annotations
 
-import json
-import re
 from typing import Any
 
 Message = dict[str, Any]
-
-# Hermes / Qwen tool-call format: a JSON object {"name": ..., "arguments": {...}} inside the tags.
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def render(tokenizer: Any, messages: list[Message], tools: list[dict] | None = None, *,
@@ -64,23 +59,3 @@ def prompt_messages(prompt: str | list[Message], system_prompt: str | None = Non
     if system_prompt is not None and not (messages and messages[0]["role"] == "system"):
         messages.insert(0, {"role": "system", "content": system_prompt})
     return messages
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-    """Split sampled text into (content, tool calls). A block whose body is not a JSON object with a
-    string ``name`` and object ``arguments`` stays in the content as the model wrote it."""
-    calls, kept, last = [], [], 0
-    for m in _TOOL_CALL.finditer(text):
-        try:
-            body = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not (isinstance(body, dict) and isinstance(body.get("name"), str)
-                and isinstance(body.get("arguments", {}), dict)):
-            continue
-        calls.append({"name": body["name"], "arguments": body.get("arguments", {})})
-        kept.append(text[last:m.start()])
-        last = m.end()
-    if not calls:
-        return text, []
-    return ("".join(kept) + text[last:]).strip(), calls

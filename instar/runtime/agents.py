@@ -21,7 +21,7 @@ AGENT_MAX_RESTARTS = 3
 @ray.remote(max_restarts=AGENT_MAX_RESTARTS)
 class AgentActor:
     def __init__(self, agent_path: str, model_path: str, engine_handles: list[Any], *, max_len: int,
-                 max_new_tokens: int, agent_timeout: float, system_prompt: str | None):
+                 max_new_tokens: int, agent_timeout: float, system_prompt: str | None, tool_parser: str):
         os.environ["OMP_NUM_THREADS"] = "1"
         os.nice(ROLLOUT_NICE)
         torch.set_num_threads(1)
@@ -36,7 +36,7 @@ class AgentActor:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.host = AgentHost(load_agent(agent_path), self.router, tokenizer, max_len=max_len,
                               max_new_tokens=max_new_tokens, agent_timeout=agent_timeout,
-                              system_prompt=system_prompt)
+                              system_prompt=system_prompt, tool_parser=tool_parser)
         self.started = False
 
     async def run_group(self, tasks: list[Any]) -> list[Trajectory]:

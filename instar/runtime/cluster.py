@@ -75,7 +75,8 @@ class Cluster:
         self.agents = [] if replay else [AgentActor.options(num_cpus=0).remote(
             cfg.train.agent_path, model, self.engines, max_len=cfg.data.max_len,
             max_new_tokens=cfg.data.max_new_tokens, agent_timeout=cfg.train.agent_timeout,
-            system_prompt=cfg.data.system_prompt) for _ in range(cfg.rollout.num_agent_runners)]
+            system_prompt=cfg.data.system_prompt, tool_parser=cfg.data.tool_parser)
+            for _ in range(cfg.rollout.num_agent_runners)]
         if not self.train:
             return self
         self.trainer = await TrainerGroup.start(cfg, ref_path=(cfg.actor.ref_model_name_or_path or model)
