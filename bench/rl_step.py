@@ -139,7 +139,7 @@ def instar_run(model_dir: str, prompts: str, agent: str, out: Path, args: argpar
     tokens = sum(r["response_length"] * r["trajectories"] for r in timed)
     split = {k: statistics.mean(r[f"time/{k}"] for r in timed)
              for k in ("trainer_idle", "logprobs", "train", "weight_sync", "step")}
-    split |= {k: statistics.mean(r.get(f"weight_sync/{k}_s", 0.0) for r in timed) for k in ("pause", "transfer")}
+    split |= {k: statistics.mean(r.get(f"weight_sync/{k}_s", 0.0) for r in timed) for k in ("engine_wait", "transfer")}
     return {"tokens_per_s": tokens / seconds, **split,
             "engine_idle": statistics.mean(r.get("engine/idle_fraction", 0.0) for r in timed)}
 
@@ -170,8 +170,8 @@ def main() -> None:
         ratio = r["tokens_per_s"] / bare["tokens_per_s"]
         print(f"instar {mode:8s} {r['tokens_per_s']:8.0f} completion tokens/s, ratio {ratio:.2f}"
               f"; step {r['step']:.3f} s = waiting for rollouts {r['trainer_idle']:.3f} + logprobs {r['logprobs']:.3f}"
-              f" + update {r['train']:.3f} + weight sync {r['weight_sync']:.3f} (pausing {r['pause']:.3f}, transfer"
-              f" {r['transfer']:.3f}); engine idle {r['engine_idle']:.0%}")
+              f" + update {r['train']:.3f} + weight sync {r['weight_sync']:.3f} (transfer {r['transfer']:.3f}, of"
+              f" it waiting for the engine's loop {r['engine_wait']:.3f}); engine idle {r['engine_idle']:.0%}")
     if "sync" in results and "async" in results:
         print(f"async_over_sync={results['async']['tokens_per_s'] / results['sync']['tokens_per_s']:.2f}")
     if "partial" in results and "async" in results:

@@ -116,19 +116,16 @@ class Cluster:
         # the embedded engine keeps the new weights aside until they end, so the trainer does not wait;
         # sampling them again instead threw away a third of all sampled tokens (bench/rl_step.py).
         mode = "keep" if keep_in_flight else "drain"
-        t0 = time.perf_counter()
-        restarted = sum(await asyncio.gather(*(self._call(i, "pause", mode) for i in range(len(self.engines)))))
+        restarted = sum(await asyncio.gather(*(self._call(i, "needs_weights") for i in range(len(self.engines)))))
         if restarted:  # a restarted engine is in no group: every member joins a new one
             self.engine_restarts += restarted
             await self._open_weight_sync()
-        t1 = time.perf_counter()
+        t0 = time.perf_counter()
+        # Each engine pauses, receives and resumes in one call: it answers between two of its steps.
         results = await asyncio.gather(self.trainer.send_weights(),
-                                       *(e.receive_weights.remote(version) for e in self.engines))
-        # Not awaited: a busy engine answers between two of its steps (~20 ms here), and requests sent
-        # before it resumes simply queue. The next pause is sent after this resume, in order.
-        for e in self.engines:
-            e.resume.remote()
-        return results[0] | {"weight_sync/pause_s": t1 - t0, "weight_sync/transfer_s": time.perf_counter() - t1,
+                                       *(e.sync_weights.remote(version, mode) for e in self.engines))
+        return results[0] | {"weight_sync/engine_wait_s": max(results[1:]),
+                             "weight_sync/transfer_s": time.perf_counter() - t0,
                              "faults/engine_restarts": float(self.engine_restarts)}
 
     async def restore_engines(self, version: int) -> None:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import threading
+import time
 import warnings
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
@@ -106,17 +107,10 @@ class EngineActor:
         finally:
             pumping.cancel()
 
-    async def pause(self, mode: PauseMode = "keep") -> bool:
-        """Pause; True when this engine was restarted and has had no weights since: it must join a new
-        weight-sync group before the broadcast (one call, so no restart can fall between the two)."""
-        await self._on_engine(self.engine.pause(mode))
-        return self.stale
-
     def needs_weights(self) -> bool:
+        """True when this engine was restarted and has had no weights since: it must join a new
+        weight-sync group before the broadcast."""
         return self.stale
-
-    async def resume(self) -> None:
-        await self._on_engine(self.engine.resume())
 
     def load(self) -> EngineLoad:
         self._check_serving()  # a Router skips an engine whose load() raises
@@ -135,10 +129,22 @@ class EngineActor:
         await self._on_engine(self.engine.join_weight_group(open_sync_group, master_addr, master_port, rank,
                                                             world_size, device))
 
-    async def receive_weights(self, version: int) -> None:
-        """Receive one broadcast from trainer rank 0 and load it (after `pause`: keep or drain)."""
-        await self._on_engine(self.engine.receive_weights(receive_weights, version))
+    async def sync_weights(self, version: int, mode: PauseMode) -> float:
+        """Pause (keep or drain), receive one broadcast from trainer rank 0, load it, resume; returns the
+        seconds it waited for the engine's loop. One coroutine there: a busy engine's loop turns once per
+        step, and every hop onto it waits for one."""
+        called = time.perf_counter()
+
+        async def sync() -> float:
+            waited = time.perf_counter() - called
+            await self.engine.pause(mode)
+            await self.engine.receive_weights(receive_weights, version)
+            await self.engine.resume()
+            return waited
+
+        waited = await self._on_engine(sync())
         self.stale = False
+        return waited
 
     async def close(self) -> None:
         await self._on_engine(self.engine.close())
