@@ -311,6 +311,9 @@ class RayConfig:
 
     address: str | None = None
     """Address of an existing Ray cluster; None starts a local one."""
+    placement: Literal["auto", "colocated", "disaggregated"] = "auto"
+    """Engines and trainer ranks on GPUs (or, without GPUs, nodes) of their own, or sharing them (half a GPU
+    each); auto: disaggregated when there are enough."""
 
 
 @dataclass

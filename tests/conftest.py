@@ -39,3 +39,19 @@ def prompts(tmp_path_factory):
     path.write_text("".join(json.dumps({"prompt": f"What is {i}*7+3?", "label": str(i * 7 + 3)}) + "\n"
                             for i in range(40)))
     return str(path)
+
+
+@pytest.fixture
+def clusters(monkeypatch):
+    """Every Cluster the run starts, to reach its actors."""
+    started: list = []
+    from instar.runtime.cluster import Cluster
+
+    enter = Cluster.__aenter__
+
+    async def record(self):
+        started.append(await enter(self))
+        return self
+
+    monkeypatch.setattr(Cluster, "__aenter__", record)
+    return started

@@ -11,23 +11,8 @@ from test_loop import ROOT, make_cfg, rows
 
 from instar.contract import read_jsonl
 from instar.loop import run
-from instar.runtime.cluster import Cluster
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def clusters(monkeypatch):
-    """Every Cluster the run starts, to reach its actors."""
-    started: list[Cluster] = []
-    enter = Cluster.__aenter__
-
-    async def record(self):
-        started.append(await enter(self))
-        return self
-
-    monkeypatch.setattr(Cluster, "__aenter__", record)
-    return started
 
 
 def kill_when(ready, actor, restart: bool = True) -> list[float]:

@@ -17,9 +17,10 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from instar.checks import choose_engine
-from instar.config import RLConfig
+from instar.config import ConfigError, RLConfig
 from instar.runtime.agents import AgentActor
 from instar.runtime.engines import ENGINE_MAX_RESTARTS, EngineActor
+from instar.runtime.placement import nodes, plan, ray_options
 from instar.runtime.trainer_group import TrainerGroup
 
 CLOSE_TIMEOUT_S = 10.0
@@ -48,9 +49,18 @@ class Cluster:
         cfg = self.cfg
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
-            ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=True,
-                     runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
-                     **({} if cfg.ray.address else {"num_cpus": os.cpu_count() or 1}))
+            try:
+                ray.init(address=cfg.ray.address, include_dashboard=False, log_to_driver=True,
+                         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
+                         **({} if cfg.ray.address else {"num_cpus": os.cpu_count() or 1}))
+            except ConnectionError as e:
+                if not cfg.ray.address:
+                    raise
+                # Ray sends its auth token to an address given explicitly only in token mode
+                raise ConfigError(f"cannot connect to the Ray cluster at --ray.address {cfg.ray.address} ({e}); if "
+                                  "`ray start` turned token authentication on (its default once ~/.ray/auth_token "
+                                  "exists), run instar with RAY_AUTH_MODE=token and that token (the file, or "
+                                  "RAY_AUTH_TOKEN)") from e
         model = cfg.actor.model_name_or_path
         replay = bool(cfg.train.rollout_replay_dir)  # training from a dump: no engines, no agents
         gpu = ray.cluster_resources().get("GPU", 0) > 0
@@ -65,13 +75,20 @@ class Cluster:
 
             check_engine_config(cfg.engine, "cuda" if gpu else "cpu", cfg.train.routing_replay)
         self.per_engine = tp if vllm else 1  # weight-sync ranks per engine: one per tensor-parallel worker
-        # Threads: in sync mode generation and training take turns, so each gets every core; otherwise
-        # engines and trainer ranks compute at the same time and share them (bench/rl_step.py measures it).
-        engines, ranks = 0 if replay else cfg.engine.num_engines, cfg.fsdp.num_ranks
-        sync = cfg.train.force_sync_mode
-        actor = EngineActor.options(num_cpus=0, num_gpus=1 if vllm and gpu and tp == 1 else 0)
-        self.engines = [actor.remote(model, engine, cfg.engine, cfg.train.routing_replay,
-                                     cpu_share=engines if sync else engines + ranks) for _ in range(engines)]
+        # Threads: in sync mode generation and training take turns, so each gets every core of its node;
+        # otherwise engines and trainer ranks on one node compute at the same time and share its cores
+        # (bench/rl_step.py measures it).
+        engines, ranks = 0 if replay else cfg.engine.num_engines, cfg.fsdp.num_ranks if self.train else 0
+        where = plan(nodes(), engines, tp if vllm and gpu else 0, ranks, cfg.ray.placement, cfg.train.force_sync_mode)
+        if len({s.node_id for s in where.engines + where.ranks}) > 1 or gpu:
+            print(f"instar: placement {where.layout} (--ray.placement {cfg.ray.placement}): engines on nodes "
+                  f"{[s.node_id[:8] for s in where.engines]}, trainer ranks on {[s.node_id[:8] for s in where.ranks]}",
+                  flush=True)
+        if where.layout == "colocated" and vllm and gpu and where.ranks and cfg.engine.gpu_memory_utilization > 0.5:
+            print(f"instar: warning: colocated, vLLM may take {cfg.engine.gpu_memory_utilization:.0%} of each GPU the "
+                  "trainer shares; lower --engine.gpu_memory_utilization if the trainer runs out of memory", flush=True)
+        self.engines = [EngineActor.options(**ray_options(s)).remote(
+            model, engine, cfg.engine, cfg.train.routing_replay, cpu_share=s.cpu_share) for s in where.engines]
         self.agents = [] if replay else [AgentActor.options(num_cpus=0).remote(
             cfg.train.agent_path, model, self.engines, max_len=cfg.data.max_len,
             max_new_tokens=cfg.data.max_new_tokens, agent_timeout=cfg.train.agent_timeout,
@@ -81,7 +98,7 @@ class Cluster:
             return self
         self.trainer = await TrainerGroup.start(cfg, ref_path=(cfg.actor.ref_model_name_or_path or model)
                                                 if self.has_ref else None, critic=self.has_critic,
-                                                cpu_share=ranks if sync or not engines else engines + ranks)
+                                                slots=where.ranks)
         if self.engines:
             await self._open_weight_sync()
         return self

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from instar.config import RLConfig, SFTConfig
 from instar.contract import Sample
+from instar.runtime.placement import Slot, nodes, plan, ray_options
 from instar.train import checkpoint
 from instar.train.batch import StepInputs, shard_samples
 from instar.train.launch import cpu_threads, free_port
@@ -50,15 +51,16 @@ class TrainerGroup:
 
     @classmethod
     async def start(cls, cfg: RLConfig | SFTConfig, ref_path: str | None = None, critic: bool = False,
-                    cpu_share: int = 1) -> TrainerGroup:
+                    slots: list[Slot] | None = None) -> TrainerGroup:
         """Start ``--fsdp.num_ranks`` actors (one GPU each when the cluster has GPUs), join them into
         one process group rooted at rank 0's node, load and shard the models. Each rank computes with
-        the cores of its node divided by ``cpu_share``."""
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
-        actor = ray.remote(num_cpus=0, num_gpus=gpus)(_Rank)
+        the cores of its node divided by its slot's ``cpu_share``. ``slots``: where each rank runs (the
+        cluster's placement; by default the trainer alone, from the driver's node on)."""
+        slots = slots or plan(nodes(), 0, 0, cfg.fsdp.num_ranks).ranks
+        actor = ray.remote(_Rank)
         critic_cfg = getattr(cfg, "critic", None) if critic else None
-        ranks = [actor.remote(cfg.actor, cfg.fsdp, cfg.train, critic_cfg, ref_path, cpu_share=cpu_share)
-                 for _ in range(cfg.fsdp.num_ranks)]
+        ranks = [actor.options(**ray_options(s)).remote(cfg.actor, cfg.fsdp, cfg.train, critic_cfg, ref_path,
+                                                        cpu_share=s.cpu_share) for s in slots]
         addr, port = await ranks[0].address.remote()
         group = cls(ranks, os.path.join(cfg.ckpt.output_dir, "checkpoints"))
         group.data_size = cfg.fsdp.data_size
