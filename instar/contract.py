@@ -7,6 +7,7 @@ by which policy version (``versions``). Nothing here decodes text: the ids *are*
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field, fields
@@ -44,7 +45,7 @@ class SamplingParams:
             raise ContractError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
 
     def replace(self, **changes: Any) -> SamplingParams:
-        return SamplingParams(**{**_as_kwargs(self), **changes})
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass
@@ -210,7 +211,3 @@ def _decode(x: Any) -> Any:
         return {k: _decode(v) for k, v in x.items()}
     return x
 
-
-def _as_kwargs(obj: Any) -> dict[str, Any]:
-    """A dataclass's fields, shallow (``asdict`` would deep-copy tensors and nested records)."""
-    return {f.name: getattr(obj, f.name) for f in fields(obj)}

@@ -177,24 +177,22 @@ class EmbeddedEngine:
         if not (self._paused or self._draining):
             raise RuntimeError("update_weights needs a paused engine (requests would sample from half-copied "
                                "weights); await engine.pause('keep') first and engine.resume() after")
-        drain = self._draining and bool(self._running)
-        while drain and self._previous is not None:  # an older drain still runs: a third model is one too many
-            await asyncio.sleep(0.001)
-        model = (self._spare or copy.deepcopy(self.model)) if drain else self.model
-        params = dict(model.named_parameters(remove_duplicate=False)) if drain else self._params
-        if drain:  # no request uses that copy: it loads (and a broadcast arrives) while the steps go on
+        if self._draining and self._running:
+            while self._previous is not None:  # an older drain still runs: a third model is one too many
+                await asyncio.sleep(0.001)
+            model = self._spare or copy.deepcopy(self.model)
+            params = dict(model.named_parameters(remove_duplicate=False))
+            # no request uses that copy: it loads (and a broadcast arrives) while the steps go on
             await asyncio.to_thread(load_named, params, named_tensors)
-        else:
-            load_named(params, named_tensors)
-        self._prefixes.clear()
-        if drain:
             self._previous, self._spare = (self.model, self._version), None
             self.model, self._params = model, params
             for request in self._running:
                 request.previous = True
         else:
+            load_named(self._params, named_tensors)
             for request in self._running:
                 request.cached = 0
+        self._prefixes.clear()
         self._version = version
 
     async def join_weight_group(self, open_group: Callable, master_addr: str, master_port: int, first_rank: int,

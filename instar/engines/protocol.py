@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol
 
 import torch
 
@@ -65,24 +65,19 @@ class Sampler(Protocol):
         or the raw distribution, per ``--engine.logprobs_mode``; defined in `instar.engines.sampling`),
         the policy version that sampled it and, for MoE models, its routed experts (moe_layers, top_k).
         ``session_id`` groups the turns of one rollout (prefix-cache reuse, router affinity)."""
-        ...
 
     def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                session_id: str | None = None) -> AsyncIterator[Sampled | Generation]:
         """`generate`, as the engine samples: `Sampled` increments, then the `Generation` (the record;
         the increments only show progress). Closing the iterator early cancels the request."""
-        ...
 
     def release(self, session_id: str) -> None:
         """The session has ended: forget its placement and cached prefix (it may not come back)."""
-        ...
 
     def load(self) -> EngineLoad | Awaitable[EngineLoad]:
         """Queued and running requests (an awaitable over Ray), for placing new sessions."""
-        ...
 
 
-@runtime_checkable
 class Engine(Sampler, Protocol):
     """A rollout engine. Control calls come from the driver, one engine at a time (`Cluster`)."""
 
@@ -100,19 +95,15 @@ class Engine(Sampler, Protocol):
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load new weights (HF parameter names) and set the policy version; call while paused."""
-        ...
 
     async def join_weight_group(self, open_group: Callable, master_addr: str, master_port: int, first_rank: int,
                                 world_size: int, device: str) -> None:
         """Join trainer rank 0's broadcast group (ranks from ``first_rank``, one per engine worker) with
         ``open_group`` (`instar.train.weight_sync.open_sync_group`); returns once every member joined."""
-        ...
 
     async def receive_weights(self, receive: Callable, version: int) -> None:
         """Receive one broadcast with ``receive`` (`instar.train.weight_sync.receive_weights`), load it and
         set the policy version; call while paused."""
-        ...
 
     async def close(self) -> None:
         """Abort every request and free the engine; it takes no new requests."""
-        ...

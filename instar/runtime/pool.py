@@ -75,17 +75,14 @@ class Pool(Protocol):
 
     async def next_batch(self, n: int) -> list[Group]:
         """The next ``n`` finished groups, oldest first."""
-        ...
 
     def weights_updated(self) -> None:
         """The engines run the new policy now (in sync mode, generation starts again here)."""
-        ...
 
     def state(self) -> PoolState: ...
 
     def metrics(self) -> dict[str, float]:
         """Counts since the start of the run, for the step's metrics."""
-        ...
 
     async def close(self) -> None: ...
 

@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 
 from instar.train.run_dir import fsync_dir
 
-Stateful = dict[str, tuple[nn.Module, Optimizer | None]]
+Stateful = dict[str, tuple[nn.Module, Optimizer]]
 """Named (model, optimizer) pairs saved as shards: e.g. {"policy": (model, opt), "critic": ...}."""
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -88,11 +88,7 @@ def load(path: str, models: Stateful) -> dict[str, Any]:
     state = _sharded_state(models)
     dcp.load(state, checkpoint_id=path)
     for name, (model, optimizer) in models.items():
-        if optimizer is None:
-            set_state_dict(model, (), model_state_dict=state[name]["model"], optim_state_dict={})
-        else:
-            set_state_dict(model, optimizer, model_state_dict=state[name]["model"],
-                           optim_state_dict=state[name]["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state[name]["model"], optim_state_dict=state[name]["optim"])
     if meta["world_size"] == _world():
         _set_rng_state(torch.load(os.path.join(path, f"rng_rank{_rank()}.pt"), weights_only=False))
     return meta
@@ -126,11 +122,8 @@ def _save_synced(obj: Any, path: str) -> None:
 
 
 def _sharded_state(models: Stateful) -> dict[str, Any]:
-    state = {}
-    for name, (model, optimizer) in models.items():
-        msd, osd = get_state_dict(model, optimizer if optimizer is not None else ())
-        state[name] = {"model": msd} if optimizer is None else {"model": msd, "optim": osd}
-    return state
+    return {name: dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
+            for name, (model, optimizer) in models.items()}
 
 
 def _prune(root: str, max_num: int) -> None:
