@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from instar.config import ConfigError
 from instar.contract import Result, SamplingParams
 from instar.data.chat import Message
 
@@ -201,7 +202,7 @@ async def on_own_thread(run: Callable[[ChatContext], Any], ctx: ChatContext) -> 
         raise
 
 
-class AgentLoadError(ValueError):
+class AgentLoadError(ConfigError):
     """--train.agent_path does not name a usable agent module; the message says what to fix."""
 
 

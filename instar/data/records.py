@@ -11,6 +11,8 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
+from instar.config import ConfigError
+
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 HUB_NAME = re.compile(r"\w[\w.-]*(/\w[\w.-]*)?")  # `name` or `org/name`, e.g. openai/gsm8k, Qwen/Qwen3-0.6B
 
@@ -20,13 +22,13 @@ def source_kind(source: str, flag: str) -> Literal["file", "dir", "hub"]:
     path = Path(source)
     if path.is_file():
         if path.suffix.lower() not in FORMATS:
-            raise ValueError(f"--{flag} {source!r}: unknown file type {path.suffix!r}; give a "
+            raise ConfigError(f"--{flag} {source!r}: unknown file type {path.suffix!r}; give a "
                              f"{', '.join(FORMATS)} file, a directory of them or a dataset name")
         return "file"
     if path.is_dir():
         return "dir"
     if path.suffix.lower() in FORMATS or not HUB_NAME.fullmatch(source):
-        raise ValueError(f"--{flag} {source!r} does not exist; give a {', '.join(FORMATS)} file, a directory "
+        raise ConfigError(f"--{flag} {source!r} does not exist; give a {', '.join(FORMATS)} file, a directory "
                          "of them or a Hugging Face dataset name (like openai/gsm8k)")
     return "hub"
 

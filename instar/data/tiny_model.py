@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from instar.config import ConfigError
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                   "<tool_response>", "</tool_response>", "<think>", "</think>"]
 
@@ -54,13 +56,14 @@ class TinySpec:
 
     def check(self) -> None:
         if self.head_dim < 32:
-            raise ValueError(f"--head-dim must be >= 32 (vLLM's CPU attention rejects smaller), got {self.head_dim}")
+            raise ConfigError(f"--head-dim must be >= 32 (vLLM's CPU attention rejects smaller), got {self.head_dim}")
         if self.heads % self.kv_heads:
-            raise ValueError(f"--heads ({self.heads}) must be a multiple of --kv-heads ({self.kv_heads})")
+            raise ConfigError(f"--heads ({self.heads}) must be a multiple of --kv-heads ({self.kv_heads})")
         if self.vocab_size < 256 + len(SPECIAL_TOKENS) + 16:
-            raise ValueError(f"--vocab-size must be >= {256 + len(SPECIAL_TOKENS) + 16} (bytes, specials, some merges)")
+            raise ConfigError(f"--vocab-size must be >= {256 + len(SPECIAL_TOKENS) + 16} "
+                              "(bytes, specials, some merges)")
         if self.moe and not 1 <= self.top_k <= self.experts:
-            raise ValueError(f"--top-k must be in [1, --experts={self.experts}], got {self.top_k}")
+            raise ConfigError(f"--top-k must be in [1, --experts={self.experts}], got {self.top_k}")
 
 
 def build_tiny_model(out_dir: str | Path, spec: TinySpec | None = None) -> Path:

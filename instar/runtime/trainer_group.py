@@ -29,14 +29,6 @@ class _Rank(TrainWorker):
         torch.set_num_threads(cpu_threads(cpu_share))  # see Cluster: how many processes compute at once
         super().__init__(*args, **kwargs)
 
-    def policy_batch(self, batch: tuple[list[Sample], StepInputs], loss_fn: LossFn, temperature: float,
-                     updates: list[list[int]] | None) -> TrainStats:
-        return self.train_policy(batch[0], loss_fn, batch[1], temperature, updates)
-
-    def critic_batch(self, batch: tuple[list[Sample], StepInputs], loss_fn: ValueLossFn,
-                     updates: list[list[int]] | None) -> TrainStats:
-        return self.train_critic(batch[0], loss_fn, batch[1], updates)
-
     def address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), free_port()
 
@@ -113,14 +105,14 @@ class TrainerGroup:
     async def train_policy(self, samples: list[Sample], loss_fn: LossFn, inputs: StepInputs | None = None,
                            temperature: float = 1.0, updates: list[list[int]] | None = None) -> TrainStats:
         """The policy's updates on this batch (see ``TrainWorker.train_policy``); the batch is stored once
-        in the object store and every rank reads it; the metrics are global (rank 0's copy)."""
-        batch = ray.put((samples, inputs or StepInputs()))
-        return (await self._all("policy_batch", (batch, loss_fn, temperature, updates)))[0]
+        in the object store and every rank reads it (Ray resolves a reference passed as an argument); the
+        metrics are global (rank 0's copy)."""
+        shared = (ray.put(samples), loss_fn, ray.put(inputs or StepInputs()), temperature, updates)
+        return (await self._all("train_policy", shared))[0]
 
     async def train_critic(self, samples: list[Sample], loss_fn: ValueLossFn, inputs: StepInputs,
                            updates: list[list[int]] | None = None) -> TrainStats:
-        batch = ray.put((samples, inputs))
-        return (await self._all("critic_batch", (batch, loss_fn, updates)))[0]
+        return (await self._all("train_critic", (ray.put(samples), loss_fn, ray.put(inputs), updates)))[0]
 
     async def open_weight_sync(self, master_addr: str, master_port: int, world_size: int,
                                device: str | None = None) -> None:
