@@ -81,6 +81,10 @@ def check_layout(fsdp: FSDPConfig, model: Any = None) -> None:
                           f"= {fsdp.data_size}); use --fsdp.num_ranks {ep * tp * cp} or a smaller --fsdp.ep_size")
     if model is None:
         return
+    if getattr(model, "vision_config", None) is not None and tp * cp > 1:
+        raise ConfigError("--fsdp.tp_size and --fsdp.cp_size do not cover vision-language models yet; keep both 1 "
+                          "(FSDP still shards the model over --fsdp.num_ranks)")
+    model = getattr(model, "text_config", model)
     heads, kv = model.num_attention_heads, model.num_key_value_heads
     if heads % tp or kv % tp:
         raise ConfigError(f"--fsdp.tp_size {tp} must divide the model's attention heads ({heads}) and "

@@ -124,6 +124,10 @@ class DataConfig:
     """Key of the label given to the agent."""
     tools_key: str = "tools"
     """Key of an optional list of tool schemas for the chat template."""
+    image_key: str = "images"
+    """Key of an optional list of images (file paths relative to the dataset, base64, data URLs or image
+    bytes) shown in the first user turn, each at an ``<image>`` marker in its text or else before it.
+    Images may also be content parts of the prompt's messages (``{"type": "image", "image": ...}``)."""
     tool_parser: Literal["hermes", "llama3_json", "mistral"] = "hermes"
     """Format of the tool calls the model writes (vLLM's --tool-call-parser names): Hermes/Qwen ``<tool_call>``
     JSON, Llama 3 JSON (``<|python_tag|>``), Mistral ``[TOOL_CALLS]``. The chat template writes them back."""

@@ -61,16 +61,88 @@ class Generation:
 
 
 @dataclass
+class ImageInputs:
+    """The images of a token sequence as the model's image processor made them (Qwen-VL layout):
+    ``pixel_values`` (patches, channels x temporal x patch x patch) float32 and ``grid_thw`` (images, 3),
+    each image's patch grid, in the order of their placeholder runs in the token ids. In the ids each
+    image is one run of ``t * h * w / merge**2`` copies of ``token_id`` (one per merged patch)."""
+
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+    token_id: int
+    merge: int = 2
+
+    @property
+    def counts(self) -> list[int]:
+        """Placeholder tokens of each image."""
+        return (self.grid_thw.prod(1) // self.merge ** 2).tolist()
+
+    def split(self) -> list[ImageInputs]:
+        """One record per image."""
+        patches = self.pixel_values.split(self.grid_thw.prod(1).tolist())
+        return [ImageInputs(p, g[None], self.token_id, self.merge) for p, g in zip(patches, self.grid_thw)]
+
+    @staticmethod
+    def cat(images: list[ImageInputs]) -> ImageInputs | None:
+        """The images one after the other (None for none)."""
+        if not images:
+            return None
+        return ImageInputs(torch.cat([i.pixel_values for i in images]), torch.cat([i.grid_thw for i in images]),
+                           images[0].token_id, images[0].merge)
+
+    def runs(self, token_ids: list[int]) -> list[tuple[int, int]]:
+        """(start, end) of each placeholder run in ``token_ids``."""
+        found, start = [], None
+        for i, t in enumerate([*token_ids, -1]):
+            if t == self.token_id and start is None:
+                start = i
+            elif t != self.token_id and start is not None:
+                found.append((start, i))
+                start = None
+        return found
+
+    def positions(self, token_ids: list[int]) -> torch.Tensor:
+        """Multimodal rotary positions (3, len): (time, height, width). Text tokens count up on all three
+        axes; an image's tokens sit on its (row, column) grid from the position after the text before it,
+        and the text after it goes on from that position plus the grid's longer side (Qwen-VL's rule)."""
+        out = torch.empty(3, len(token_ids), dtype=torch.long)
+        at, pos = 0, 0
+        for (start, end), grid in zip(self.runs(token_ids), self.grid_thw.tolist()):
+            out[:, at:start] = torch.arange(pos, pos + start - at)
+            pos += start - at
+            t, h, w = grid[0], grid[1] // self.merge, grid[2] // self.merge
+            out[0, start:end] = pos + torch.arange(t).repeat_interleave(h * w)
+            out[1, start:end] = pos + torch.arange(h).repeat_interleave(w).repeat(t)
+            out[2, start:end] = pos + torch.arange(w).repeat(t * h)
+            pos, at = pos + max(h, w), end
+        out[:, at:] = torch.arange(pos, pos + len(token_ids) - at)
+        return out
+
+    def validate(self, token_ids: list[int], where: str) -> None:
+        grid, pixels = self.grid_thw, self.pixel_values
+        if grid.dim() != 2 or grid.shape[1] != 3 or grid.is_floating_point():
+            raise ContractError(f"{where}.images.grid_thw must be an int tensor (images, 3), got {tuple(grid.shape)}")
+        if pixels.dim() != 2 or pixels.shape[0] != int(grid.prod(1).sum()):
+            raise ContractError(f"{where}.images.pixel_values must be (patches={int(grid.prod(1).sum())}, dim) for "
+                                f"grids {grid.tolist()}, got {tuple(pixels.shape)}")
+        runs = [end - start for start, end in self.runs(token_ids)]
+        if runs != self.counts:
+            raise ContractError(f"{where}: the image placeholder runs in token_ids have {runs} tokens, the image "
+                                f"features {self.counts} (token id {self.token_id}, merge {self.merge})")
+
+
+@dataclass
 class Sample:
     """One segment: ``token_ids`` with per-token aligned fields. Non-action tokens carry logprob 0.0
-    and version ``NO_VERSION``; ``routed_experts`` is (tokens, moe_layers, top_k) ints when set."""
+    and version ``NO_VERSION``; ``routed_experts`` is (tokens, moe_layers, top_k) ints when set; ``images``
+    the images whose placeholder tokens are in ``token_ids`` (vision-language models only)."""
 
     token_ids: list[int]
     action_mask: list[int]
     rollout_logprobs: list[float]
     versions: list[int]
     routed_experts: torch.Tensor | None = None
-    mm_inputs: dict[str, torch.Tensor] | None = None
+    images: ImageInputs | None = None
 
     @property
     def num_actions(self) -> int:
@@ -103,6 +175,8 @@ class Sample:
                 shape = tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__
                 raise ContractError(
                     f"{where}.routed_experts must be an int tensor shaped (tokens={n}, moe_layers, top_k), got {shape}")
+        if self.images is not None:
+            self.images.validate(self.token_ids, where)
 
 
 @dataclass
@@ -143,6 +217,8 @@ class Trajectory:
     def from_json(cls, line: str) -> Trajectory:
         d = json.loads(line)
         d["segments"] = [Sample(**{k: _decode(v) for k, v in s.items()}) for s in d["segments"]]
+        for s in d["segments"]:
+            s.images = None if s.images is None else ImageInputs(**s.images)
         return cls(**d)
 
 

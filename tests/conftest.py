@@ -55,3 +55,9 @@ def clusters(monkeypatch):
 
     monkeypatch.setattr(Cluster, "__aenter__", record)
     return started
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory):
+    """A tiny Qwen3-VL (one vision block, one deepstack level) with its image processor."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_vlm"), TinySpec(vlm=True))

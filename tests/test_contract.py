@@ -8,6 +8,7 @@ import torch
 from instar.contract import (
     NO_VERSION,
     ContractError,
+    ImageInputs,
     Result,
     Sample,
     SamplingParams,
@@ -103,7 +104,8 @@ def test_trajectory_messages_name_the_segment():
 def test_jsonl_round_trip_multi_segment_with_routed_experts(tmp_path):
     experts = torch.arange(5 * 3 * 2, dtype=torch.int16).reshape(5, 3, 2)
     t = Trajectory(
-        segments=[seg(routed_experts=experts, mm_inputs={"pixels": torch.tensor([[0.1, -2.5e-8]])}),
+        segments=[seg(routed_experts=experts, images=ImageInputs(torch.tensor([[0.1, -2.5e-8]] * 4),
+                                                                 torch.tensor([[1, 2, 2]]), token_id=6)),
                   seg(token_ids=[1, 2, 3, 4, 5], rollout_logprobs=[0.0, 0.0, -1 / 3, -2 / 7, 0.0],
                       versions=[-1, -1, 4, 5, -1])],
         reward=0.75, score=1.0, info={"turns": 2, "tool": "calculator"}, group_id=3, rollout_id="g3-s1",
@@ -117,7 +119,8 @@ def test_jsonl_round_trip_multi_segment_with_routed_experts(tmp_path):
     assert b.segments[1].rollout_logprobs == [0.0, 0.0, -1 / 3, -2 / 7, 0.0]  # bit-exact floats
     assert b.segments[0].routed_experts.dtype == torch.int16
     assert torch.equal(b.segments[0].routed_experts, experts)
-    assert torch.equal(b.segments[0].mm_inputs["pixels"], torch.tensor([[0.1, -2.5e-8]]))
+    assert torch.equal(b.segments[0].images.pixel_values, torch.tensor([[0.1, -2.5e-8]] * 4))
+    assert b.segments[0].images.grid_thw.tolist() == [[1, 2, 2]] and b.segments[0].images.token_id == 6
     assert (b.reward, b.score, b.info, b.group_id, b.prompt_index, b.finish_reason, b.truncated) == (
         0.75, 1.0, {"turns": 2, "tool": "calculator"}, 3, 17, "length", True)
     b.validate()

@@ -32,6 +32,7 @@ from typing import Any
 from instar.config import ConfigError
 from instar.contract import Result, SamplingParams
 from instar.data.chat import Message
+from instar.data.images import text_of, with_images
 
 
 @dataclass
@@ -103,7 +104,7 @@ class ChatAgent:
 
 
 def _last_user_text(messages: list[Message]) -> str:
-    return next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+    return next((text_of(m["content"]) for m in reversed(messages) if m["role"] == "user"), "")
 
 
 class StepEnvRunner:
@@ -123,10 +124,12 @@ class StepEnvRunner:
                  "untraced_session_url": session.untraced_session_url}
         env = self.env_class()
         try:
-            observation = (await env.reset(state) or {}).get("observation")
-            if observation is not None:
-                messages = [*messages[:-1], {**messages[-1], "content": observation}]
-                state.update(observation_text=observation, messages=messages)
+            reset = await env.reset(state) or {}
+            observation, images = reset.get("observation"), reset.get("images")
+            if observation is not None or images:
+                text = text_of(messages[-1]["content"]) if observation is None else observation
+                messages = [*messages[:-1], {**messages[-1], "content": with_images(text, images, "reset")}]
+                state.update(observation_text=text, messages=messages)
             reward, score, infos = 0.0, None, []
             while True:
                 turn = await transcript.sample(messages, tools, state["sampling_params"])
@@ -140,7 +143,8 @@ class StepEnvRunner:
                 if result.terminated or result.truncated or transcript.truncated:
                     break
                 role = "tool" if turn.message.get("tool_calls") else "user"
-                messages = [*transcript.messages, {"role": role, "content": result.observation}]
+                content = with_images(result.observation, result.images, f"step {len(infos)} observation")
+                messages = [*transcript.messages, {"role": role, "content": content}]
                 state.update(observation_text=result.observation,
                              sampling_params=result.sampling_params or state["sampling_params"])
             return Result(reward=reward, score=score, info={"turns": infos})

@@ -17,6 +17,7 @@ from instar.agents.api import ChatAgentRunner, StepEnvRunner, Task
 from instar.agents.server import ChatServer
 from instar.contract import ContractError, Trajectory
 from instar.data.chat import prompt_messages
+from instar.data.images import Vision, with_markers
 from instar.engines.protocol import Sampler
 
 log = logging.getLogger(__name__)
@@ -30,11 +31,11 @@ class AgentHost:
 
     def __init__(self, runner: StepEnvRunner | ChatAgentRunner, engine: Sampler, tokenizer: Any, *, max_len: int,
                  max_new_tokens: int, agent_timeout: float, system_prompt: str | None = None,
-                 model_name: str = "policy", tool_parser: str = "hermes") -> None:
+                 model_name: str = "policy", tool_parser: str = "hermes", vision: Vision | None = None) -> None:
         self.runner, self.agent_timeout, self.system_prompt = runner, agent_timeout, system_prompt
         self.max_len = max_len
         self.server = ChatServer(engine, tokenizer, model_name=model_name, max_len=max_len,
-                                 max_new_tokens=max_new_tokens, tool_parser=tool_parser)
+                                 max_new_tokens=max_new_tokens, tool_parser=tool_parser, vision=vision)
         self.dropped: Counter[str] = Counter()
         self.finished = self.cancelled = 0
         self._running: set[asyncio.Task] = set()
@@ -56,6 +57,9 @@ class AgentHost:
     async def rollout(self, task: Task) -> Trajectory | None:
         """Run one rollout; None when it was dropped (see ``dropped``)."""
         messages = prompt_messages(task.prompt, self.system_prompt)
+        if task.images:  # a dataset's images column: in the first user turn
+            first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+            messages[first] = {**messages[first], "content": with_markers(messages[first]["content"], task.images)}
         session = self.server.open(task.sampling_params)
         me = asyncio.current_task()
         self._running.add(me)

@@ -38,6 +38,7 @@ from instar.agents.live import Delta, LiveText
 from instar.agents.transcript import Transcript, Turn
 from instar.contract import SamplingParams
 from instar.data.chat import Message
+from instar.data.images import Vision, image_urls
 from instar.data.tool_calls import parser_named
 from instar.engines.protocol import Sampled, Sampler
 
@@ -79,8 +80,8 @@ class ChatServer:
 
     def __init__(self, engine: Sampler, tokenizer: Any, *, model_name: str, max_len: int, max_new_tokens: int,
                  max_sessions: int = MAX_SESSIONS, max_body_bytes: int = MAX_BODY_BYTES,
-                 tool_parser: str = "hermes") -> None:
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+                 tool_parser: str = "hermes", vision: Vision | None = None) -> None:
+        self.engine, self.tokenizer, self.model_name, self.vision = engine, tokenizer, model_name, vision
         self.tool_parser = parser_named(tool_parser).name  # an unknown name fails here, not per request
         self.max_len, self.max_new_tokens = max_len, max_new_tokens
         self.max_sessions, self.max_body_bytes = max_sessions, max_body_bytes
@@ -114,7 +115,7 @@ class ChatServer:
 
     def transcript(self, session_id: str) -> Transcript:
         return Transcript(self.engine, self.tokenizer, session_id=session_id, max_len=self.max_len,
-                          max_new_tokens=self.max_new_tokens, tool_parser=self.tool_parser)
+                          max_new_tokens=self.max_new_tokens, tool_parser=self.tool_parser, vision=self.vision)
 
     def open(self, sampling: SamplingParams | None = None) -> Session:
         """A new session with a fresh transcript and secret; ``close`` it when the rollout ends."""
@@ -314,6 +315,8 @@ def build_app(server: ChatServer) -> FastAPI:
             if messages[-1]["role"] == "assistant":
                 raise wire.WireError(400, "the last message is from the assistant; end with a user or tool message "
                                           "(continuing a partial assistant turn is not supported)")
+            if server.vision is None and image_urls(messages):
+                raise wire.WireError(400, f"model {server.model_name!r} is text-only: it takes no images")
             rid = f"{id_prefix}{uuid.uuid4().hex}"
 
             async def sample(on_tokens: Callable[[list[int], Sampled], None] | None = None) -> Turn:

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-from instar.contract import NO_VERSION, Generation, Sample, SamplingParams
+from instar.contract import NO_VERSION, Generation, ImageInputs, Sample, SamplingParams
 from instar.data.chat import Message, continuation_text, encode, prompt_ids
+from instar.data.images import Vision, image_urls
 from instar.data.tool_calls import parser_named
 from instar.engines.protocol import Sampled, Sampler
 
@@ -87,6 +88,7 @@ class _Segment:
     rollout_logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     routed: list[torch.Tensor | None] = field(default_factory=list)  # (moe_layers, top_k) per token, MoE only
+    images: list[ImageInputs] = field(default_factory=list)  # those whose placeholders are in token_ids
 
     def append(self, ids: list[int], gen: Generation | None = None) -> None:
         """Template tokens when ``gen`` is None, else the sampled tokens of ``gen``."""
@@ -104,7 +106,7 @@ class _Segment:
         routed = None if known is None else torch.stack([torch.full_like(known, -1) if r is None else r
                                                          for r in self.routed])
         return Sample(list(self.token_ids), list(self.action_mask), list(self.rollout_logprobs),
-                      list(self.versions), routed_experts=routed)
+                      list(self.versions), routed_experts=routed, images=ImageInputs.cat(self.images))
 
 
 class Transcript:
@@ -116,8 +118,9 @@ class Transcript:
     """
 
     def __init__(self, engine: Sampler, tokenizer: Any, *, session_id: str, max_len: int, max_new_tokens: int,
-                 stop_token_ids: list[int] | None = None, tool_parser: str = "hermes") -> None:
-        self.engine, self.tokenizer, self.session_id = engine, tokenizer, session_id
+                 stop_token_ids: list[int] | None = None, tool_parser: str = "hermes",
+                 vision: Vision | None = None) -> None:
+        self.engine, self.tokenizer, self.session_id, self.vision = engine, tokenizer, session_id, vision
         self.tool_parser = parser_named(tool_parser)
         self.max_len, self.max_new_tokens = max_len, max_new_tokens
         self.stop_token_ids = stop_token_ids if stop_token_ids is not None else [tokenizer.eos_token_id]
@@ -165,6 +168,10 @@ class Transcript:
         if not extends:
             new_ids = _first_prompt(self.tokenizer, messages, tools) if inline else await asyncio.to_thread(
                 prompt_ids, self.tokenizer, messages, tools)
+        images: list[ImageInputs] = []
+        if self.vision is not None:  # the delta's placeholders are those of the conversation's last images
+            urls = image_urls(messages)
+            new_ids, images = self.vision.expand(new_ids, urls[len(urls) - new_ids.count(self.vision.token_id):])
         room = self.max_len - len(context) - len(new_ids)
         if room <= 0:  # not even the observation fits: the rollout ends here
             self.truncated, self.last_finish_reason = True, "length"
@@ -174,19 +181,22 @@ class Transcript:
         params = sampling.replace(max_tokens=min(sampling.max_tokens, self.max_new_tokens, room),
                                   stop_token_ids=sorted({*sampling.stop_token_ids, *self.stop_token_ids}))
         prompt = context + new_ids
-        gen = await (self.engine.generate(prompt, params, self.session_id) if on_tokens is None
-                     else self._streamed(prompt, params, on_tokens))
+        seen = ImageInputs.cat((self._open.images if extends else []) + images)
+        extra = {} if seen is None else {"images": seen}  # a text-only engine call stays as it was
+        gen = await (self.engine.generate(prompt, params, self.session_id, **extra) if on_tokens is None
+                     else self._streamed(prompt, params, on_tokens, extra))
         if not extends:
             self.seal()
             self._open = _Segment()
         self._open.append(new_ids)
+        self._open.images += images
         turn = self._record(self._open, gen, messages, tools)
         self._cache = (key, turn)
         return turn
 
     async def _streamed(self, prompt: list[int], params: SamplingParams,
-                        on_tokens: Callable[[list[int], Sampled], None]) -> Generation:
-        async with contextlib.aclosing(self.engine.stream(prompt, params, self.session_id)) as items:
+                        on_tokens: Callable[[list[int], Sampled], None], extra: dict) -> Generation:
+        async with contextlib.aclosing(self.engine.stream(prompt, params, self.session_id, **extra)) as items:
             async for item in items:
                 if isinstance(item, Generation):
                     return item

@@ -18,7 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from instar.agents.live import Delta
 from instar.agents.transcript import Turn, split_reasoning
+from instar.config import ConfigError
 from instar.data.chat import Message
+from instar.data.images import load_image
 
 INT32 = 2**31 - 1
 
@@ -49,7 +51,32 @@ class TextPart(Body):
     text: str
 
 
+class ImageURL(Body):
+    url: str
+
+
+class ImageURLPart(Body):
+    """OpenAI's image part; only data URLs: the chat server fetches nothing."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class ImageSource(Body):
+    type: Literal["base64", "url"]
+    media_type: str = "image/png"
+    data: str = ""
+
+
+class ImageBlock(Body):
+    """Anthropic's image block (base64 source)."""
+
+    type: Literal["image"]
+    source: ImageSource
+
+
 Content = str | list[TextPart] | None
+UserContent = str | list[Annotated[TextPart | ImageURLPart, Field(discriminator="type")]] | None
 
 
 class FunctionCall(Body):
@@ -64,7 +91,7 @@ class ToolCall(Body):
 
 class OpenAIMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Content = None
+    content: UserContent = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str = ""
     reasoning_content: str | None = None  # how vLLM and others return reasoning; echoed back by clients
@@ -112,12 +139,12 @@ class RedactedThinking(Body):
 class ToolResult(Body):
     type: Literal["tool_result"]
     tool_use_id: str = ""
-    content: Content = None
+    content: str | list[Annotated[TextPart | ImageBlock, Field(discriminator="type")]] | None = None
 
 
 class AnthropicMessage(Body):
     role: Literal["user", "assistant"]
-    content: str | list[Annotated[TextPart | ToolUse | ToolResult | Thinking | RedactedThinking,
+    content: str | list[Annotated[TextPart | ImageBlock | ToolUse | ToolResult | Thinking | RedactedThinking,
                                   Field(discriminator="type")]]
 
 
@@ -136,9 +163,40 @@ class AnthropicRequest(BaseRequest):
     stop_sequences: list[str] | None = None
 
 
-def text_of(content: str | list[Any] | None) -> str:
-    """A content's text: a string, or the concatenated ``text`` of its parts."""
-    return content if isinstance(content, str) else "".join(part.text for part in content or [])
+def text_of(content: str | list[Any] | None, where: str = "content") -> str:
+    """A content's text: a string, or the concatenated ``text`` of its parts (which must all be text)."""
+    if isinstance(content, str):
+        return content
+    if any(isinstance(part, ImageURLPart | ImageBlock) for part in content or []):
+        raise WireError(400, f"{where}: images are allowed in user and tool messages only")
+    return "".join(part.text for part in content or [])
+
+
+def content_of(content: str | list[Any] | None, where: str) -> str | list[dict]:
+    """A user or tool message's content: its text, or with images, text and image parts in the one
+    canonical form (`instar.data.images`: data URLs)."""
+    if isinstance(content, str) or not any(isinstance(p, ImageURLPart | ImageBlock) for p in content or []):
+        return text_of(content, where)
+    parts = []
+    for k, part in enumerate(content):
+        if isinstance(part, TextPart):
+            parts.append({"type": "text", "text": part.text})
+            continue
+        if isinstance(part, ImageBlock):
+            if part.source.type != "base64":
+                raise WireError(400, f"{where}[{k}]: image sources must be base64; the chat server fetches no URL")
+            url = f"data:{part.source.media_type};base64,{part.source.data}"
+        else:
+            url = part.image_url.url
+        if not url.startswith("data:image/"):
+            raise WireError(400, f"{where}[{k}]: image_url must be a data URL (data:image/png;base64,...); the chat "
+                                 "server fetches no URL")
+        try:
+            load_image(url, f"{where}[{k}]")
+        except ConfigError as e:
+            raise WireError(400, str(e)) from None
+        parts.append({"type": "image", "image": url})
+    return parts
 
 
 def tool_call(call_id: str, name: str, arguments: str | dict, where: str) -> dict:
@@ -161,14 +219,17 @@ def _assistant(content: str, calls: list[dict], reasoning: str | None = None) ->
 def openai_messages(messages: list[OpenAIMessage]) -> list[Message]:
     out = []
     for i, m in enumerate(messages):
-        if m.role in ("system", "developer", "user"):
-            out.append({"role": "system" if m.role == "developer" else m.role, "content": text_of(m.content)})
+        if m.role in ("system", "developer"):
+            out.append({"role": "system", "content": text_of(m.content, f"messages[{i}]")})
+        elif m.role == "user":
+            out.append({"role": "user", "content": content_of(m.content, f"messages[{i}].content")})
         elif m.role == "assistant":
             calls = [tool_call(c.id, c.function.name, c.function.arguments, f"messages[{i}]")
                      for c in m.tool_calls or []]
-            out.append(_assistant(text_of(m.content), calls, m.reasoning_content or m.reasoning))
+            out.append(_assistant(text_of(m.content, f"messages[{i}]"), calls, m.reasoning_content or m.reasoning))
         else:
-            out.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": text_of(m.content)})
+            out.append({"role": "tool", "tool_call_id": m.tool_call_id,
+                        "content": content_of(m.content, f"messages[{i}].content")})
     return out
 
 
@@ -176,20 +237,21 @@ def anthropic_messages(system: Content, messages: list[AnthropicMessage]) -> lis
     out = [{"role": "system", "content": text_of(system)}] if system else []
     for i, m in enumerate(messages):
         blocks = [TextPart(type="text", text=m.content)] if isinstance(m.content, str) else m.content
-        texts = [b for b in blocks if isinstance(b, TextPart)]
+        texts = [b for b in blocks if isinstance(b, TextPart | ImageBlock)]
         if m.role == "assistant":
-            if any(isinstance(b, ToolResult) for b in blocks):
+            if any(isinstance(b, ToolResult | ImageBlock) for b in blocks):
                 raise WireError(400, f"messages[{i}]: assistant blocks must be text, thinking or tool_use")
             calls = [tool_call(b.id, b.name, b.input, f"messages[{i}]") for b in blocks if isinstance(b, ToolUse)]
             thinking = "".join(b.thinking for b in blocks if isinstance(b, Thinking))
             out.append(_assistant(text_of(texts), calls, thinking))
             continue
         if any(isinstance(b, ToolUse | Thinking | RedactedThinking) for b in blocks):
-            raise WireError(400, f"messages[{i}]: user blocks must be text or tool_result")
+            raise WireError(400, f"messages[{i}]: user blocks must be text, image or tool_result")
         results = [b for b in blocks if isinstance(b, ToolResult)]
-        out += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": text_of(b.content)} for b in results]
+        out += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": content_of(b.content, f"messages[{i}]")}
+                for b in results]
         if texts or not results:
-            out.append({"role": "user", "content": text_of(texts)})
+            out.append({"role": "user", "content": content_of(texts, f"messages[{i}].content")})
     return out
 
 

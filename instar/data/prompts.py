@@ -10,9 +10,11 @@ from __future__ import annotations
 import random
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from instar.config import DataConfig
+from instar.data.images import data_url, normalise
 from instar.data.records import read_records, without_nulls
 
 
@@ -25,6 +27,7 @@ class Prompt:
     label: Any = None
     tools: list[dict[str, Any]] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    images: list[str] | None = None  # data URLs, for the first user turn (see --data.image_key)
 
 
 def load_prompts(source: str, cfg: DataConfig, split: str | None = None,
@@ -35,10 +38,11 @@ def load_prompts(source: str, cfg: DataConfig, split: str | None = None,
     if cfg.input_key not in records[0]:
         raise ValueError(f"--{flag} {source!r} has no {cfg.input_key!r} column (columns: {sorted(records[0])}); "
                          "set --data.input_key")
-    return [_to_prompt(index, record, cfg) for index, record in enumerate(records)]
+    base = Path(source).parent if Path(source).is_file() else Path(source)
+    return [_to_prompt(index, record, cfg, base) for index, record in enumerate(records)]
 
 
-def _to_prompt(index: int, record: dict[str, Any], cfg: DataConfig) -> Prompt:
+def _to_prompt(index: int, record: dict[str, Any], cfg: DataConfig, base: Path | None = None) -> Prompt:
     value = without_nulls(record[cfg.input_key])
     if isinstance(value, str):
         messages = [{"role": "user", "content": value}]
@@ -49,8 +53,16 @@ def _to_prompt(index: int, record: dict[str, Any], cfg: DataConfig) -> Prompt:
                          f"got {type(value).__name__}")
     if cfg.system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
-    rest = {k: v for k, v in record.items() if k not in (cfg.input_key, cfg.label_key, cfg.tools_key)}
-    return Prompt(index, messages, record.get(cfg.label_key), without_nulls(record.get(cfg.tools_key)), rest)
+    messages = normalise(messages, base, f"prompt {index}")
+    images = without_nulls(record.get(cfg.image_key))
+    if images is not None:
+        if not isinstance(images, list):
+            images = [images]
+        images = [data_url(im, base, f"prompt {index} {cfg.image_key}[{k}]") for k, im in enumerate(images)]
+    keys = (cfg.input_key, cfg.label_key, cfg.tools_key, cfg.image_key)
+    rest = {k: v for k, v in record.items() if k not in keys}
+    return Prompt(index, messages, record.get(cfg.label_key), without_nulls(record.get(cfg.tools_key)), rest,
+                  images or None)
 
 
 class PromptStream:

@@ -10,10 +10,12 @@ does with template deltas. Pieces between the generation prompt and the end of a
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from instar.contract import NO_VERSION, Sample
+from instar.contract import NO_VERSION, ImageInputs, Sample
 from instar.data.chat import encode, render
+from instar.data.images import Vision, image_urls, normalise
 from instar.data.records import read_records, without_nulls
 
 
@@ -50,19 +52,29 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict],
 
 
 def conversation_sample(tokenizer: Any, messages: list[dict], tools: list | None = None,
-                        max_len: int | None = None) -> Sample | None:
+                        max_len: int | None = None, vision: Vision | None = None) -> Sample | None:
     """One conversation as a ``Sample`` (truncated to ``max_len`` tokens); None when no assistant
-    token survives. Action tokens carry logprob 0 and version 0: no behaviour policy sampled them."""
+    token survives. Action tokens carry logprob 0 and version 0: no behaviour policy sampled them.
+    With ``vision`` each image placeholder is expanded (`Vision.expand`); a cut never splits an image."""
     ids, mask = tokenize_conversation(tokenizer, messages, tools)
+    images = None
+    if vision is not None and (found := vision.expand(ids, image_urls(messages))[1]):
+        counts = iter(im.counts[0] for im in found)  # a placeholder's copies take its mask value
+        mask = [m for t, m in zip(ids, mask) for _ in range(next(counts) if t == vision.token_id else 1)]
+        ids = vision.expand(ids, image_urls(messages))[0]
+        runs = ImageInputs.cat(found).runs(ids)
+        if max_len is not None:  # a cut before an image that does not fit whole: no image is split
+            max_len = min([max_len, *(start for start, end in runs if end > max_len)])
+        images = ImageInputs.cat([im for (_, end), im in zip(runs, found) if max_len is None or end <= max_len])
     ids, mask = ids[:max_len], mask[:max_len]
     if not any(mask):
         return None
     return Sample(token_ids=ids, action_mask=mask, rollout_logprobs=[0.0] * len(ids),
-                  versions=[0 if m else NO_VERSION for m in mask])
+                  versions=[0 if m else NO_VERSION for m in mask], images=images)
 
 
 def load_sft_samples(source: str, tokenizer: Any, messages_key: str = "messages", max_len: int | None = None,
-                     tools_key: str = "tools", split: str = "train") -> list[Sample]:
+                     tools_key: str = "tools", split: str = "train", vision: Vision | None = None) -> list[Sample]:
     """Every conversation of a dataset (``instar.data.records``: a file, a directory or a hub name), in
     order: a list of chat messages under ``messages_key``, optional tool schemas under ``tools_key``."""
     samples: list[Sample] = []
@@ -71,7 +83,10 @@ def load_sft_samples(source: str, tokenizer: Any, messages_key: str = "messages"
         if not isinstance(messages, list):
             raise ValueError(f"--sft.dataset {source!r}: record {n} has no message list under {messages_key!r} "
                              f"(columns: {sorted(record)}); set --sft.messages_key")
-        sample = conversation_sample(tokenizer, messages, without_nulls(record.get(tools_key)), max_len)
+        if vision is not None:
+            base = Path(source).parent if Path(source).is_file() else Path(source)
+            messages = normalise(messages, base, f"--sft.dataset record {n}")
+        sample = conversation_sample(tokenizer, messages, without_nulls(record.get(tools_key)), max_len, vision)
         if sample is not None:
             samples.append(sample)
     if not samples:

@@ -1,5 +1,5 @@
-"""The tiny-model kit: a random-init Qwen3 (or Qwen3-MoE) causal LM and a byte-level BPE tokenizer
-with a ChatML tool-calling template, built fully offline and byte-identically from the same spec.
+"""The tiny-model kit: a random-init Qwen3 (or Qwen3-MoE, or Qwen3-VL) model and a byte-level BPE
+tokenizer with a ChatML tool-calling template, built fully offline and byte-identically from the same spec.
 
 Tests, examples and the CPU quick start all run on these models; vLLM's CPU build loads them too
 (hence head_dim >= 32).
@@ -18,6 +18,8 @@ from instar.config import ConfigError
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                   "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 # chat_template.jinja: ChatML in the Qwen convention: tools listed in the system turn, calls as JSON inside
 # <tool_call> tags in the assistant turn, consecutive tool results grouped into one user turn. HF renders
@@ -53,6 +55,16 @@ class TinySpec:
     """Experts routed per token."""
     split_digits: bool = True
     """Tokenize every digit as its own token (as Qwen does)."""
+    vlm: bool = False
+    """Build a Qwen3-VL vision-language model: a vision tower (one deepstack level) before the decoder,
+    the vision tokens in the tokenizer and Qwen's image processor (PIL backend)."""
+    vision_layers: int = 1
+    """Vision transformer blocks (with --vlm)."""
+    patch_size: int = 16
+    """Vision patch size in pixels (with --vlm); 2x2 patches merge into one image token."""
+    image_pixels: int = 128 * 128
+    """Largest image area the processor keeps (with --vlm): bigger images are resized down to it, so a
+    128x128 image is 8x8 patches, 16 image tokens."""
 
     def check(self) -> None:
         if self.head_dim < 32:
@@ -62,6 +74,8 @@ class TinySpec:
         if self.vocab_size < 256 + len(SPECIAL_TOKENS) + 16:
             raise ConfigError(f"--vocab-size must be >= {256 + len(SPECIAL_TOKENS) + 16} "
                               "(bytes, specials, some merges)")
+        if self.vlm and self.moe:
+            raise ConfigError("--vlm and --moe cannot be combined (the kit builds a dense Qwen3-VL)")
         if self.moe and not 1 <= self.top_k <= self.experts:
             raise ConfigError(f"--top-k must be in [1, --experts={self.experts}], got {self.top_k}")
 
@@ -77,7 +91,11 @@ def build_tiny_model(out_dir: str | Path, spec: TinySpec | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec)
     tokenizer.save_pretrained(out)
-    build_model(spec, tokenizer).save_pretrained(out)
+    if spec.vlm:
+        build_vlm(spec, tokenizer).save_pretrained(out)
+        image_processor(spec).save_pretrained(out)
+    else:
+        build_model(spec, tokenizer).save_pretrained(out)
     (out / "instar_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=1, sort_keys=True) + "\n")
     return out
 
@@ -103,6 +121,43 @@ def build_model(spec: TinySpec, tokenizer) -> torch.nn.Module:
     return model.eval()
 
 
+def build_vlm(spec: TinySpec, tokenizer) -> torch.nn.Module:
+    """A Qwen3-VL: Qwen3's decoder with interleaved multimodal rotary positions, a vision tower whose
+    merged patches replace the image placeholder tokens, and one deepstack level (the vision tower's
+    first block's features added to the decoder's hidden states after its first layer)."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>", *VISION_TOKENS)}
+    half = spec.head_dim // 2  # rotary frequencies split over (time, height, width), as Qwen3-VL's 24/20/20 of 64
+    section = [half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16]
+    text = dict(vocab_size=len(tokenizer), hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+                num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+                head_dim=spec.head_dim, max_position_embeddings=4096, bos_token_id=ids["<|endoftext|>"],
+                eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], dtype="float32",
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": section,
+                                 "mrope_interleaved": True})
+    vision = dict(depth=spec.vision_layers, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+                  num_heads=spec.heads, patch_size=spec.patch_size, spatial_merge_size=2, temporal_patch_size=2,
+                  out_hidden_size=spec.hidden, deepstack_visual_indexes=[0],
+                  num_position_embeddings=max(16, spec.image_pixels // spec.patch_size ** 2))
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                           image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                           vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    torch.manual_seed(spec.seed)
+    model = Qwen3VLForConditionalGeneration(config)
+    model.generation_config.do_sample = False
+    return model.eval()
+
+
+def image_processor(spec: TinySpec):
+    """Qwen's image processor (the PIL backend: no torchvision needed), sized for small images."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    side = spec.patch_size * 2  # one merged image token
+    return Qwen2VLImageProcessorPil(patch_size=spec.patch_size, merge_size=2, temporal_patch_size=2,
+                                    min_pixels=side * side, max_pixels=max(side * side, spec.image_pixels))
+
+
 def build_tokenizer(spec: TinySpec):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -116,6 +171,8 @@ def build_tokenizer(spec: TinySpec):
     trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus(), trainer=trainer)
+    if spec.vlm:  # after the merges: a VLM's text tokens keep the ids of the text-only kit's
+        tok.add_special_tokens(list(VISION_TOKENS))
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    bos_token=None, unk_token=None, chat_template=CHAT_TEMPLATE,
                                    model_max_length=4096, clean_up_tokenization_spaces=False)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import hashlib
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -36,8 +37,17 @@ import torch
 from torch import nn
 
 from instar.config import EngineConfig
-from instar.contract import Generation, SamplingParams
-from instar.engines.kv_model import SlotCache, check_supported, forward, is_moe, load_named, make_batch
+from instar.contract import Generation, ImageInputs, SamplingParams
+from instar.engines.kv_model import (
+    SlotCache,
+    check_supported,
+    decoder,
+    forward,
+    is_moe,
+    load_named,
+    make_batch,
+    text_config,
+)
 from instar.engines.prefix_cache import CachedPrefix, PrefixCache, common_prefix_len
 from instar.engines.protocol import EngineLoad, PauseMode, Sampled, check_prompt
 from instar.engines.sampling import sample
@@ -59,10 +69,27 @@ class Request:
     finish_reason: str | None = None
     progress: asyncio.Event | None = None  # streamed requests: set on each sampled token and when finished
     previous: bool = False  # started before the weights now in use: it finishes on the previous model (drain)
+    images: ImageInputs | None = None
+    keys: list | None = None  # the prompt's identity: its ids, image tokens as (image hash, index) pairs
+    rope: torch.Tensor | None = None  # (3, prompt_len) multimodal rotary positions
+    delta: int = 0  # rotary position minus index of every token after the prompt's last image
+    features: dict[int, torch.Tensor] = field(default_factory=dict)  # image index -> (1 + levels, tokens, hidden)
 
     @property
     def num_sampled(self) -> int:
         return len(self.ids) - self.prompt_len
+
+    def identity(self, end: int) -> list:
+        """What the first ``end`` tokens are, for prefix sharing: the ids, with each image token
+        standing for its image's content (images alike in ids differ in pixels)."""
+        return self.ids[:end] if self.keys is None else (self.keys + self.ids[self.prompt_len:])[:end]
+
+    def rope_of(self, start: int, end: int) -> torch.Tensor:
+        """Rotary positions (3, end - start) of tokens start..end."""
+        if self.rope is None:
+            return torch.arange(start, end).expand(3, -1)
+        tail = torch.arange(max(start, self.prompt_len), end) + self.delta
+        return torch.cat([self.rope[:, start:end], tail.expand(3, -1)], dim=1)
 
 
 class EmbeddedEngine:
@@ -74,9 +101,10 @@ class EmbeddedEngine:
         self.cfg = cfg or EngineConfig()
         self._version = version
         self._params = dict(model.named_parameters(remove_duplicate=False))  # tied lm_head.weight included
-        moe_layers = sum(is_moe(layer) for layer in model.model.layers)
-        self._routing_shape = (moe_layers, model.config.num_experts_per_tok) if moe_layers else None
-        self.max_model_len = model.config.max_position_embeddings
+        moe_layers = sum(is_moe(layer) for layer in decoder(model).layers)
+        self._routing_shape = (moe_layers, text_config(model).num_experts_per_tok) if moe_layers else None
+        self.max_model_len = text_config(model).max_position_embeddings
+        self._vision = hasattr(model.model, "visual")
         self._cache = SlotCache(model)
         self._holes = False  # a request left its slot since the last `_compact`
         self._queue: deque[Request] = deque()
@@ -97,11 +125,13 @@ class EmbeddedEngine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, cfg: EngineConfig | None = None, version: int = 0) -> EmbeddedEngine:
-        """Load an HF checkpoint directory (Qwen3 or Qwen3-MoE) in ``cfg.dtype``."""
-        from transformers import AutoModelForCausalLM
+        """Load an HF checkpoint directory (Qwen3, Qwen3-MoE or Qwen3-VL) in ``cfg.dtype``."""
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         cfg = cfg or EngineConfig()
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, cfg.dtype))
+        vlm = getattr(AutoConfig.from_pretrained(str(path)), "vision_config", None) is not None
+        auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+        model = auto.from_pretrained(str(path), dtype=getattr(torch, cfg.dtype))
         return cls(model, cfg, version)
 
     @property
@@ -112,15 +142,16 @@ class EmbeddedEngine:
         return EngineLoad(queued=len(self._queue), running=len(self._running))
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       session_id: str | None = None) -> Generation:
+                       session_id: str | None = None, images: ImageInputs | None = None) -> Generation:
         """Sample one turn after ``prompt_token_ids``; see `instar.engines.sampling` for which logprob."""
         # a cancelled caller cancels the future; the scheduler then drops the request
-        return await self._submit(prompt_token_ids, sampling_params, session_id).future
+        return await self._submit(prompt_token_ids, sampling_params, session_id, images=images).future
 
     async def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                     session_id: str | None = None) -> AsyncIterator[Sampled | Generation]:
+                     session_id: str | None = None, images: ImageInputs | None = None,
+                     ) -> AsyncIterator[Sampled | Generation]:
         """`generate`, yielding each step's new tokens as the scheduler samples them."""
-        request = self._submit(prompt_token_ids, sampling_params, session_id, asyncio.Event())
+        request = self._submit(prompt_token_ids, sampling_params, session_id, asyncio.Event(), images)
         sent = 0
         try:
             while True:
@@ -137,12 +168,17 @@ class EmbeddedEngine:
             request.future.cancel()  # a no-op once finished; else the scheduler drops the request
 
     def _submit(self, prompt_token_ids: list[int], sampling_params: SamplingParams, session_id: str | None,
-                progress: asyncio.Event | None = None) -> Request:
-        check_prompt(prompt_token_ids, self.model.config.vocab_size, self.max_model_len, "max_position_embeddings")
+                progress: asyncio.Event | None = None, images: ImageInputs | None = None) -> Request:
+        check_prompt(prompt_token_ids, text_config(self.model).vocab_size, self.max_model_len,
+                     "max_position_embeddings")
+        if images is not None and not self._vision:
+            raise ValueError("generate got images for a text-only model")
         self._start()
         generator = None if sampling_params.seed is None else torch.Generator().manual_seed(sampling_params.seed)
         request = Request(list(prompt_token_ids), len(prompt_token_ids), sampling_params, session_id, generator,
                           asyncio.get_running_loop().create_future(), progress=progress)
+        if images is not None:
+            _with_images(request, images)
         self._queue.append(request)
         self._wake.set()
         return request
@@ -192,6 +228,7 @@ class EmbeddedEngine:
             load_named(self._params, named_tensors)
             for request in self._running:
                 request.cached = 0
+                request.features.clear()
         self._prefixes.clear()
         self._version = version
 
@@ -259,7 +296,7 @@ class EmbeddedEngine:
             self.stats["prompt_tokens"] += request.prompt_len
             if self.cfg.enable_prefix_caching and request.cached == 0 and request.prompt_len > 1:
                 # a group's samples arrive together with one prompt: it is computed once, for the first
-                leader = leaders.setdefault(tuple(request.ids), request)
+                leader = leaders.setdefault(tuple(request.identity(request.prompt_len)), request)
                 if leader is not request:
                     twins.append((request, leader))
         waiting = {id(r) for r, _ in twins}
@@ -308,8 +345,12 @@ class EmbeddedEngine:
     def _run(self, group: list[Request]) -> None:
         """One forward over ``group``'s uncached tokens, then one sampled token for each live request."""
         new = [r.ids[r.cached:] for r in group]
-        batch = make_batch(self._cache, new, [r.slot for r in group], [r.cached for r in group])
         model, version = self._previous if group[0].previous else (self.model, self._version)
+        rope, images = None, None
+        if self._vision:
+            rope = [r.rope_of(r.cached, len(r.ids)) for r in group]
+            images = [_new_features(model, r) for r in group]
+        batch = make_batch(self._cache, new, [r.slot for r in group], [r.cached for r in group], rope, images)
         logits, routed = forward(model, self._cache, batch)
         offset = 0
         for request, ids in zip(group, new):
@@ -378,14 +419,48 @@ class EmbeddedEngine:
         if (self.cfg.enable_prefix_caching and request.session_id is not None and request.cached > 0
                 and not request.previous):
             keys, values = self._cache.read(request.slot, request.cached)
-            self._prefixes.save(request.session_id, CachedPrefix(request.ids[: request.cached], keys, values))
+            self._prefixes.save(request.session_id, CachedPrefix(request.identity(request.cached), keys, values))
 
     def _reuse_prefix(self, request: Request) -> None:
         """Copy the session's cached keys/values for the longest common prefix into the new slot; at
         least the last prompt token is always fed, since its logits give the first sample."""
         entry = self._prefixes.pop(request.session_id) if request.session_id is not None else None
-        n = 0 if entry is None else common_prefix_len(entry.ids, request.ids[:-1])
+        n = 0 if entry is None else common_prefix_len(entry.ids, request.identity(len(request.ids) - 1))
         if n:
             self._cache.write(request.slot, entry.keys, entry.values, n)
             request.cached = n
             self.stats["prefix_hit_tokens"] += n
+
+
+def _with_images(request: Request, images: ImageInputs) -> None:
+    """Check the prompt's images against its placeholder tokens and derive what the scheduler needs."""
+    images.validate(request.ids, "prompt")
+    request.images, request.rope = images, images.positions(request.ids)
+    request.delta = int(request.rope.max()) + 1 - request.prompt_len
+    request.keys = list(request.ids)
+    for (start, end), one in zip(images.runs(request.ids), images.split()):
+        digest = hashlib.sha1(one.pixel_values.numpy().tobytes() + one.grid_thw.numpy().tobytes()).hexdigest()
+        request.keys[start:end] = [(digest, j) for j in range(end - start)]
+
+
+def _new_features(model: nn.Module, request: Request) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Row indices and features of the image tokens among ``request``'s uncached tokens, running the
+    vision tower once for each image not yet seen (again after a weight update)."""
+    if request.images is None:
+        return None
+    runs = request.images.runs(request.ids[: request.prompt_len])  # a sampled placeholder id is no image
+    need = [k for k, (start, end) in enumerate(runs) if end > request.cached and k not in request.features]
+    if need:
+        parts = request.images.split()
+        inputs = ImageInputs.cat([parts[k] for k in need])
+        out = model.model.get_image_features(inputs.pixel_values.to(model.dtype), inputs.grid_thw, return_dict=True)
+        levels = [out.pooler_output, *out.deepstack_features]
+        for j, k in enumerate(need):
+            request.features[k] = torch.stack([level[j] for level in levels])
+    at, features = [], []
+    for k, (start, end) in enumerate(runs):
+        first = max(start, request.cached)
+        if end > first:
+            at.append(torch.arange(first, end) - request.cached)
+            features.append(request.features[k][:, first - start:])
+    return (torch.cat(at), torch.cat(features, dim=1)) if at else None

@@ -16,12 +16,22 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl")
+
+
+def decoder(model: nn.Module) -> nn.Module:
+    """The text decoder (embeddings, layers, norm, rotary embedding) of a causal LM or a Qwen3-VL."""
+    return getattr(model.model, "language_model", model.model)
+
+
+def text_config(model: nn.Module) -> Any:
+    return getattr(model.config, "text_config", model.config)
 
 
 def check_supported(model: nn.Module) -> None:
@@ -33,7 +43,7 @@ def check_supported(model: nn.Module) -> None:
     if model.device.type != "cpu":
         raise ValueError(f"the embedded engine runs on CPU, the model is on {model.device}; use --rollout.engine "
                          "vllm on GPUs")
-    if any(getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers):
+    if any(getattr(layer.self_attn, "sliding_window", None) for layer in decoder(model).layers):
         raise ValueError("the embedded engine has no sliding-window attention; set use_sliding_window "
                          "false in the model config or use --rollout.engine vllm")
 
@@ -50,11 +60,11 @@ class SlotCache:
     into a freed slot), so a batch's cached keys are usually one slice, read without gathering."""
 
     def __init__(self, model: nn.Module, slots: int = 16, capacity: int = 16):
-        config = model.config
+        config, layers = text_config(model), decoder(model).layers
         self.shape = (slots, config.num_key_value_heads, capacity, config.head_dim)
-        self.dtype = model.model.embed_tokens.weight.dtype
-        self.k = [torch.zeros(self.shape, dtype=self.dtype) for _ in model.model.layers]
-        self.v = [torch.zeros(self.shape, dtype=self.dtype) for _ in model.model.layers]
+        self.dtype = decoder(model).embed_tokens.weight.dtype
+        self.k = [torch.zeros(self.shape, dtype=self.dtype) for _ in layers]
+        self.v = [torch.zeros(self.shape, dtype=self.dtype) for _ in layers]
 
     def reserve(self, length: int, slots: int = 0) -> None:
         if length <= self.shape[2] and slots <= self.shape[0]:
@@ -108,11 +118,18 @@ class Batch:
     write_index: torch.Tensor  # (N * kv_heads,) rows of the flattened cache that receive the new keys
     last: torch.Tensor  # (B,) packed index of each row's last token
     groups: list[AttentionGroup]
+    rope: torch.Tensor | None = None  # (3, N) multimodal rotary positions (vision-language models)
+    visual: torch.Tensor | None = None  # (M,) packed indices of image tokens
+    features: torch.Tensor | None = None  # (1 + deepstack levels, M, hidden): their embeddings, then additions
 
 
-def make_batch(cache: SlotCache, new_ids: list[list[int]], slots: list[int], past: list[int]) -> Batch:
+def make_batch(cache: SlotCache, new_ids: list[list[int]], slots: list[int], past: list[int],
+               rope: list[torch.Tensor] | None = None,
+               images: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> Batch:
     """Index tensors for one forward. Single-token (decode) rows and longer (prefill) rows attend in
-    separate groups, so a decode row is never padded to a prompt's length."""
+    separate groups, so a decode row is never padded to a prompt's length. A vision-language model's
+    rows also give their rotary positions ``rope`` (3, new tokens) and, where new tokens are image
+    tokens, ``images``: their indices in the row and their features (1 + levels, tokens, hidden)."""
     lengths, past_t, slots_t = torch.tensor([len(ids) for ids in new_ids]), torch.tensor(past), torch.tensor(slots)
     ends = past_t + lengths
     starts = lengths.cumsum(0) - lengths
@@ -134,7 +151,14 @@ def make_batch(cache: SlotCache, new_ids: list[list[int]], slots: list[int], pas
                 groups.append(AttentionGroup(slots_t[rows], _first_slot(slots_t[rows]), mask, grid,
                                              steps < lengths[rows][:, None]))
     tokens = torch.tensor([t for ids in new_ids for t in ids])
-    return Batch(tokens, positions, write_index.reshape(-1), starts + lengths - 1, groups)
+    batch = Batch(tokens, positions, write_index.reshape(-1), starts + lengths - 1, groups)
+    if rope is not None:
+        batch.rope = torch.cat(rope, dim=1)
+        found = [(starts[b] + at, f) for b, item in enumerate(images or []) if item is not None for at, f in [item]]
+        if found:
+            batch.visual = torch.cat([at for at, _ in found])
+            batch.features = torch.cat([f for _, f in found], dim=1)
+    return batch
 
 
 def _first_slot(slots: torch.Tensor) -> int | None:
@@ -212,9 +236,11 @@ def forward(model: nn.Module, cache: SlotCache, batch: Batch) -> tuple[torch.Ten
     """Run a batch's new tokens through ``model``, writing their keys and values into ``cache``.
     Returns the logits after each row's last token (B, vocab) and, for MoE models, the routed expert
     ids of every new token (N, moe_layers, top_k), int64."""
-    inner = model.model
+    inner = decoder(model)
     h = inner.embed_tokens(batch.tokens)
-    cos, sin = inner.rotary_emb(h, batch.positions[None])
+    if batch.visual is not None:  # image tokens: the vision tower's merged patches instead of the embedding
+        h[batch.visual] = batch.features[0].to(h.dtype)
+    cos, sin = inner.rotary_emb(h, (batch.positions[None] if batch.rope is None else batch.rope[:, None]))
     cos, sin = cos[0, :, None], sin[0, :, None]  # (N, 1, head_dim): broadcast over heads
     half = sin.shape[-1] // 2
     sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # see `attention`
@@ -228,6 +254,8 @@ def forward(model: nn.Module, cache: SlotCache, batch: Batch) -> tuple[torch.Ten
             routed.append(experts)
         else:
             h = h + _mlp(layer.mlp, x)
+        if batch.visual is not None and i + 1 < len(batch.features):  # deepstack: vision features added early
+            h[batch.visual] += batch.features[i + 1].to(h.dtype)
     logits = _linear(model.lm_head, _norm(inner.norm, h[batch.last]))
     return logits, torch.stack(routed, dim=1) if routed else None
 

@@ -12,7 +12,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from instar.contract import Generation, SamplingParams
+from instar.contract import Generation, ImageInputs, SamplingParams
 
 PauseMode = Literal["keep", "drain", "abort"]
 """keep: freeze in-flight requests and continue them after `resume` (partial rollout: a turn's tokens
@@ -60,14 +60,16 @@ class Sampler(Protocol):
     Router places sessions on)."""
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       session_id: str | None = None) -> Generation:
+                       session_id: str | None = None, images: ImageInputs | None = None) -> Generation:
         """Sample one turn after ``prompt_token_ids``. Per sampled token: its logprob (of the processed
         or the raw distribution, per ``--engine.logprobs_mode``; defined in `instar.engines.sampling`),
         the policy version that sampled it and, for MoE models, its routed experts (moe_layers, top_k).
-        ``session_id`` groups the turns of one rollout (prefix-cache reuse, router affinity)."""
+        ``session_id`` groups the turns of one rollout (prefix-cache reuse, router affinity). ``images``
+        (vision-language models): the images whose expanded placeholder tokens are in the prompt."""
 
     def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-               session_id: str | None = None) -> AsyncIterator[Sampled | Generation]:
+               session_id: str | None = None, images: ImageInputs | None = None,
+               ) -> AsyncIterator[Sampled | Generation]:
         """`generate`, as the engine samples: `Sampled` increments, then the `Generation` (the record;
         the increments only show progress). Closing the iterator early cancels the request."""
 

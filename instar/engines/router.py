@@ -17,7 +17,7 @@ import contextlib
 import inspect
 from collections.abc import AsyncIterator, Sequence
 
-from instar.contract import Generation, SamplingParams
+from instar.contract import Generation, ImageInputs, SamplingParams
 from instar.engines.protocol import EngineLoad, Sampled, Sampler
 
 
@@ -34,14 +34,16 @@ class Router:
         self._in_flight = [0] * len(self.engines)
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       session_id: str | None = None) -> Generation:
+                       session_id: str | None = None, images: ImageInputs | None = None) -> Generation:
         async with self._placed(session_id) as engine:
-            return await engine.generate(prompt_token_ids, sampling_params, session_id)
+            return await engine.generate(prompt_token_ids, sampling_params, session_id, images)
 
     async def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                     session_id: str | None = None) -> AsyncIterator[Sampled | Generation]:
+                     session_id: str | None = None, images: ImageInputs | None = None,
+                     ) -> AsyncIterator[Sampled | Generation]:
         async with self._placed(session_id) as engine:
-            async with contextlib.aclosing(engine.stream(prompt_token_ids, sampling_params, session_id)) as items:
+            stream = engine.stream(prompt_token_ids, sampling_params, session_id, images)
+            async with contextlib.aclosing(stream) as items:
                 async for item in items:
                     yield item
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from instar.config import ConfigError, EngineConfig
-from instar.contract import Generation, SamplingParams
+from instar.contract import Generation, ImageInputs, SamplingParams
 from instar.engines.protocol import EngineLoad, PauseMode, Sampled, check_prompt
 
 EXTENSION = "instar.engines.vllm_worker.WeightSyncExtension"
@@ -146,16 +146,19 @@ class VLLMEngine:
         return EngineLoad(queued=0, running=self._in_flight)
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       session_id: str | None = None) -> Generation:
+                       session_id: str | None = None, images: ImageInputs | None = None) -> Generation:
         """Sample one turn after ``prompt_token_ids``. ``session_id`` is not needed: vLLM's prefix cache
-        finds a session's earlier turns by their token ids."""
+        finds a session's earlier turns by their token ids. Images are not passed to vLLM yet."""
+        _no_images(images)
         async for generation in self._sample(prompt_token_ids, sampling_params, streamed=False):  # noqa: B007
             pass  # one item: the Generation
         return generation
 
     def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-               session_id: str | None = None) -> AsyncIterator[Sampled | Generation]:
+               session_id: str | None = None, images: ImageInputs | None = None,
+               ) -> AsyncIterator[Sampled | Generation]:
         """`generate`, yielding each step's new tokens from vLLM's output stream."""
+        _no_images(images)
         return self._sample(prompt_token_ids, sampling_params, streamed=True)
 
     async def _sample(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -299,3 +302,9 @@ def routed_per_token(rows: Any, num_tokens: int, layers: list[int], top_k: int) 
 
 def qualname(fn: Callable) -> str:
     return f"{fn.__module__}.{fn.__qualname__}"
+
+
+def _no_images(images: ImageInputs | None) -> None:
+    if images is not None:
+        raise NotImplementedError("the vLLM backend does not take images yet; use --rollout.engine embedded for "
+                                  "vision-language models")

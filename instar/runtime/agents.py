@@ -29,6 +29,7 @@ class AgentActor:
 
         from instar.agents.api import load_agent
         from instar.agents.host import AgentHost
+        from instar.data.images import Vision
         from instar.engines.router import Router
         from instar.runtime.engines import RemoteEngine
 
@@ -36,7 +37,8 @@ class AgentActor:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.host = AgentHost(load_agent(agent_path), self.router, tokenizer, max_len=max_len,
                               max_new_tokens=max_new_tokens, agent_timeout=agent_timeout,
-                              system_prompt=system_prompt, tool_parser=tool_parser)
+                              system_prompt=system_prompt, tool_parser=tool_parser,
+                              vision=Vision.from_pretrained(model_path))
         self.started = False
 
     async def run_group(self, tasks: list[Any]) -> list[Trajectory]:

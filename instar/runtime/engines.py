@@ -23,7 +23,7 @@ import ray
 import torch
 
 from instar.config import EngineConfig
-from instar.contract import Generation, SamplingParams
+from instar.contract import Generation, ImageInputs, SamplingParams
 from instar.engines.protocol import Engine, EngineLoad, PauseMode, Sampled
 from instar.train.launch import cpu_threads
 from instar.train.weight_sync import open_sync_group, receive_weights
@@ -82,19 +82,21 @@ class EngineActor:
                                "weights (sent at the next weight sync)")
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       session_id: str | None = None) -> Generation:
+                       session_id: str | None = None, images: ImageInputs | None = None) -> Generation:
         self._check_serving()
-        return await self._on_engine(self.engine.generate(prompt_token_ids, sampling_params, session_id))
+        return await self._on_engine(self.engine.generate(prompt_token_ids, sampling_params, session_id, images))
 
     async def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                     session_id: str | None = None) -> AsyncIterator[Sampled | Generation]:
+                     session_id: str | None = None, images: ImageInputs | None = None,
+                     ) -> AsyncIterator[Sampled | Generation]:
         """A Ray streaming generator (an async generator method): one object per item."""
         self._check_serving()
         items: asyncio.Queue = asyncio.Queue()
         here = asyncio.get_running_loop()
 
         async def pump() -> None:  # on the engine's loop: each item is handed over in order, then the end
-            async with contextlib.aclosing(self.engine.stream(prompt_token_ids, sampling_params, session_id)) as gen:
+            stream = self.engine.stream(prompt_token_ids, sampling_params, session_id, images)
+            async with contextlib.aclosing(stream) as gen:
                 async for item in gen:
                     here.call_soon_threadsafe(items.put_nowait, item)
 
@@ -160,8 +162,8 @@ class RemoteEngine:
         self._released: list[str] = []  # sessions to release in the next batched call
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       session_id: str | None = None) -> Generation:
-        ref = self.handle.generate.remote(prompt_token_ids, sampling_params, session_id)
+                       session_id: str | None = None, images: ImageInputs | None = None) -> Generation:
+        ref = self.handle.generate.remote(prompt_token_ids, sampling_params, session_id, images)
         try:
             return await ref
         except asyncio.CancelledError:  # a client hung up: Ray does not pass that on by itself
@@ -169,8 +171,9 @@ class RemoteEngine:
             raise
 
     async def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                     session_id: str | None = None) -> AsyncIterator[Sampled | Generation]:
-        refs = self.handle.stream.remote(prompt_token_ids, sampling_params, session_id)
+                     session_id: str | None = None, images: ImageInputs | None = None,
+                     ) -> AsyncIterator[Sampled | Generation]:
+        refs = self.handle.stream.remote(prompt_token_ids, sampling_params, session_id, images)
         try:
             async for ref in refs:
                 yield await ref

@@ -19,7 +19,7 @@ from instar.config import RLConfig, SFTConfig
 from instar.contract import Sample
 from instar.runtime.placement import Slot, nodes, plan, ray_options
 from instar.train import checkpoint
-from instar.train.batch import StepInputs, shard_samples
+from instar.train.batch import StepInputs, identity, shard_samples
 from instar.train.launch import cpu_threads, free_port
 from instar.train.worker import LossFn, TrainStats, TrainWorker, ValueLossFn
 
@@ -85,7 +85,7 @@ class TrainerGroup:
         `instar.train.parallel`) compute it together, and the first of them answers."""
         group = len(self.ranks) // self.data_size
         shards = shard_samples([len(s.token_ids) for s in samples], self.data_size,
-                               [s.token_ids for s in samples] if self.share_prefix else None)
+                               [identity(s) for s in samples] if self.share_prefix else None)
         results = await self._all(method, *[([samples[i] for i in shards[r // group]], *rest)
                                             for r in range(len(self.ranks))])
         out: list[Tensor] = [torch.empty(0)] * len(samples)

@@ -12,12 +12,13 @@ token t, predicted at the position of token t-1; index 0 and padding hold 0).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
 
-from instar.contract import Sample
+from instar.contract import ImageInputs, Sample
 from instar.train.model import Segments
 
 MIN_SHARED = 8
@@ -77,6 +78,8 @@ class MicroBatch:
     indices: list[int]  # each row sample's index in the caller's list (see `collate`'s names)
     segments: Segments  # the row's segments and what each attends to
     routed_experts: Tensor | None = None  # [N, moe_layers, top_k] for routing replay, when every sample has it
+    images: ImageInputs | None = None  # the images whose tokens are in the row, in row order
+    rope: Tensor | None = None  # [3, 1, N] multimodal rotary positions, when a sample has images
 
     @property
     def attention_kwargs(self) -> dict | None:
@@ -268,7 +271,10 @@ def collate(samples: list[Sample], indices: list[int], step: StepInputs | None =
     t = torch.arange(T)
     lengths_t = torch.tensor(lengths)
     recorded = all(s.routed_experts is not None for s in rows)
-    keys = [_with_routes(s) for s in rows] if share and recorded else None  # replayed routes must agree too
+    seen = any(s.images is not None for s in rows)
+    keys = None
+    if share and (recorded or seen):  # replayed routes must agree too, and image tokens only share one image
+        keys = [_with_routes(s) for s in rows] if recorded else [identity(s) for s in rows]
     layout = row_layout([s.token_ids for s in rows], share, keys=keys)
     # the position predicting token t is that of token t-1 (t >= 1); padding points at position 0
     gather = right_pad([torch.tensor([0] + p[:-1]) for p in layout.place], T)
@@ -284,6 +290,7 @@ def collate(samples: list[Sample], indices: list[int], step: StepInputs | None =
         lengths=lengths_t.to(device), **given)
     # a shared token's routes are those of the sequence it was taken from (with replay all sharers' agree)
     routes = torch.cat([rows[b].routed_experts[a:z] for b, a, z in layout.sources]).to(device) if recorded else None
+    images, rope = _row_images(rows, layout) if seen else (None, None)
     return MicroBatch(
         input_ids=torch.tensor(layout.tokens)[None].to(device),
         position_ids=torch.tensor(layout.positions)[None].to(device),
@@ -293,7 +300,37 @@ def collate(samples: list[Sample], indices: list[int], step: StepInputs | None =
         indices=names,
         segments=layout.segments,
         routed_experts=routes,
+        images=images,
+        rope=None if rope is None else rope.to(device),
     )
+
+
+def identity(s: Sample) -> list[int]:
+    """``s.token_ids`` with each image token standing for its image's pixels (negative ids): samples
+    alike in ids but not in images share no image token."""
+    if s.images is None:
+        return s.token_ids
+    ids = list(s.token_ids)
+    for (start, end), one in zip(s.images.runs(ids), s.images.split()):
+        digest = int(hashlib.sha1(one.pixel_values.numpy().tobytes()).hexdigest()[:15], 16)
+        ids[start:end] = [-1 - digest - j for j in range(end - start)]
+    return ids
+
+
+def _row_images(rows: list[Sample], layout: RowLayout) -> tuple[ImageInputs | None, Tensor]:
+    """The images of the row's segments in row order, and the row's multimodal rotary positions [3, 1, N]."""
+    rope = [torch.arange(len(s.token_ids)).expand(3, -1) if s.images is None else s.images.positions(s.token_ids)
+            for s in rows]
+    found = []
+    for b, a, z in layout.sources:
+        if rows[b].images is not None:
+            for (start, end), one in zip(rows[b].images.runs(rows[b].token_ids), rows[b].images.split()):
+                if a <= start and end <= z:
+                    found.append(one)
+                elif start < z and a < end:
+                    raise ValueError(f"a row segment ({a}..{z}) cuts image tokens {start}..{end}")
+    positions = torch.cat([rope[b][:, a:z] for b, a, z in layout.sources], dim=1)
+    return ImageInputs.cat(found), positions[:, None]
 
 
 def _with_routes(s: Sample) -> list[tuple[int, int]]:

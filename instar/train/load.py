@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from instar.train.model import DTYPES, attention_for
+from instar.train.model import DTYPES, auto_model
 
 Index = tuple[slice | torch.Tensor, ...]
 """Per dim of a tensor, the global positions a rank holds: a range, or (strided layouts) a list."""
@@ -33,14 +33,14 @@ def meta_model(path: str, dtype: str = "float32", attn: str = "auto", causal_lm:
     """The HF model of checkpoint ``path`` (a causal LM, or with ``causal_lm=False`` the bare decoder
     trunk the critic wraps) with every parameter and buffer on the meta device, in train mode: what
     `instar.train.model.load_model` returns, before any weights exist."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
     if not os.path.isdir(path):
         raise ValueError(f"{path} is not a local checkpoint directory; per-rank loading reads its safetensors "
                          "files: download the model first (hf download <repo> --local-dir <dir>)")
     config = AutoConfig.from_pretrained(path)
-    auto = AutoModelForCausalLM if causal_lm else AutoModel
+    auto, impl = auto_model(path, attn, causal_lm)
     with torch.device("meta"):
-        model = auto.from_config(config, dtype=DTYPES[dtype], attn_implementation=attention_for(path, attn))
+        model = auto.from_config(config, dtype=DTYPES[dtype], attn_implementation=impl)
     if causal_lm and os.path.exists(os.path.join(path, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(path)  # an HF export writes it back
     model.config.use_cache = False  # training never decodes; a KV cache would only cost memory

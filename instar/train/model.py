@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from instar.contract import ImageInputs
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PACKED = "instar_packed"
 CHUNK_TOKENS = 512  # rows of the float32 softmax at a time: at 152k vocab 0.3 GB a tensor, two at a time
@@ -160,6 +162,19 @@ def attention_for(path: str, choice: str = "auto") -> str:
     return choice
 
 
+def auto_model(path: str, attn: str = "auto", causal_lm: bool = True) -> tuple[type, str | dict[str, str]]:
+    """The transformers auto class and ``attn_implementation`` for checkpoint ``path``: a vision-language
+    model is an image-text-to-text model whose vision tower keeps SDPA (its attention is not causal)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
+    impl = attention_for(path, attn)
+    if getattr(AutoConfig.from_pretrained(path), "vision_config", None) is None:
+        return (AutoModelForCausalLM if causal_lm else AutoModel), impl
+    if not causal_lm:
+        raise ValueError(f"{path} is a vision-language model: instar has no critic for those (use a critic-free "
+                         "estimator such as --algo.advantage_estimator grpo)")
+    return AutoModelForImageTextToText, {"": impl, "text_config": impl, "vision_config": "sdpa"}
+
+
 def load_model(path: str, dtype: str = "float32", backend: str = "hf", attn: str = "auto") -> nn.Module:
     """A causal LM from an HF checkpoint directory, in train mode. ``backend="automodel"`` loads it
     with NVIDIA NeMo AutoModel (GPU, optional) instead of transformers; ``attn``: `attention_for`."""
@@ -171,9 +186,8 @@ def load_model(path: str, dtype: str = "float32", backend: str = "hf", attn: str
                               "nemo_automodel) on a GPU machine; use --actor.model_backend hf otherwise") from e
         model = NeMoAutoModelForCausalLM.from_pretrained(path, torch_dtype=DTYPES[dtype])
     elif backend == "hf":
-        from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype],
-                                                     attn_implementation=attention_for(path, attn))
+        auto, impl = auto_model(path, attn)
+        model = auto.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=impl)
     else:
         raise ValueError(f"unknown model backend {backend!r}; use 'hf' or 'automodel'")
     model.config.use_cache = False  # training never decodes; a KV cache would only cost memory
@@ -241,16 +255,23 @@ def packing_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
 
 def forward_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                    positions: torch.Tensor | None = None, attention_kwargs: dict[str, Any] | None = None,
-                   ) -> torch.Tensor:
+                   images: ImageInputs | None = None, rope: torch.Tensor | None = None) -> torch.Tensor:
     """Logits of a packed row ``[1, N]`` whose sequences are separated by ``position_ids`` restarting
     at 0, at every position or only at ``positions`` (``[1, M, vocab]``: the head and the float32
     softmax then cost M rows, not N). Attention stays within each sequence: `packed_attention` (or a
     varlen kernel) reads the sequence bounds; any other implementation gets a block-diagonal mask
     from transformers, built from the same ``position_ids``. ``attention_kwargs`` replace those bounds when
-    the caller knows better (a slice of a row whose attention spans the whole row)."""
+    the caller knows better (a slice of a row whose attention spans the whole row). A vision-language
+    model also takes the row's ``images`` and multimodal rotary positions ``rope`` (3, 1, N)."""
     bounds = _bounds_for(model, position_ids) if attention_kwargs is None else attention_kwargs
-    return model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                 logits_to_keep=0 if positions is None else positions, **bounds).logits
+    extra: dict[str, Any] = {"position_ids": position_ids}
+    if rope is not None:  # text positions first: transformers reads the sequence bounds from them
+        extra["position_ids"] = torch.cat([position_ids[None], rope.to(position_ids.device)])
+    if images is not None:
+        extra.update(pixel_values=images.pixel_values.to(input_ids.device, model.dtype),
+                     image_grid_thw=images.grid_thw.to(input_ids.device))
+    return model(input_ids=input_ids, use_cache=False, logits_to_keep=0 if positions is None else positions,
+                 **extra, **bounds).logits
 
 
 def _bounds_for(model: nn.Module, position_ids: torch.Tensor) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from instar.config import SFTConfig
 from instar.contract import Sample
+from instar.data.images import Vision
 from instar.data.sft import load_sft_samples
 from instar.train import checkpoint
 from instar.train.batch import LossInputs
@@ -62,7 +63,7 @@ def _sft_rank(rank: int, world: int, port: int, cfg: SFTConfig) -> dict[str, flo
     torch.set_num_threads(cpu_threads(world))  # nothing else computes during SFT: the ranks share every core
     tokenizer = load_tokenizer(cfg.actor.model_name_or_path)
     samples = load_sft_samples(cfg.sft.dataset, tokenizer, cfg.sft.messages_key, cfg.sft.max_len,
-                               split=cfg.sft.split)
+                               split=cfg.sft.split, vision=Vision.from_pretrained(cfg.actor.model_name_or_path))
     train, held_out = _split(samples, cfg.sft.eval_fraction, cfg.actor.seed)
     steps_per_epoch = len(train) // cfg.sft.batch_size  # the incomplete last batch is dropped
     if steps_per_epoch == 0:

@@ -9,6 +9,7 @@ tests drive it from plain processes.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -22,7 +23,16 @@ from torch import Tensor, nn
 from instar.config import ActorConfig, CriticConfig, FSDPConfig, TrainConfig
 from instar.contract import Sample
 from instar.train import checkpoint, weight_sync
-from instar.train.batch import LossInputs, MicroBatch, StepInputs, collate, plan_micro_batches, right_pad, shard_samples
+from instar.train.batch import (
+    LossInputs,
+    MicroBatch,
+    StepInputs,
+    collate,
+    identity,
+    plan_micro_batches,
+    right_pad,
+    shard_samples,
+)
 from instar.train.context_parallel import ULYSSES, chunk_rows, split_row, sum_over_chunks
 from instar.train.load import materialize, meta_model
 from instar.train.model import PACKED, ValueModel, forward_logits, load_model, load_tokenizer, token_logprobs
@@ -111,7 +121,7 @@ class TrainWorker:
         rank: FSDP gathers parameters collectively, so every rank must run as many passes. ``indices``
         name the samples in the lists of ``inputs`` (default: their position)."""
         plan = plan_micro_batches([len(s.token_ids) for s in samples], self.train.max_tokens_per_gpu,
-                                  [s.token_ids for s in samples] if self.share_prefix else None)
+                                  [identity(s) for s in samples] if self.share_prefix else None)
         if not plan:
             raise ValueError(f"trainer rank {self.rank} got no samples; give every rank at least one")
         count = int(all_reduce([len(plan)], op="max")[0])
@@ -137,9 +147,12 @@ class TrainWorker:
         runs its chunk of the row (`split_row`) and every cp rank gets the whole results."""
         positions, targets = mb.gather[select], mb.inputs.token_ids[select]
         if self.cp_group is None:
-            logits = forward_logits(net, mb.input_ids, mb.position_ids, positions, mb.attention_kwargs)
+            logits = forward_logits(net, mb.input_ids, mb.position_ids, positions, mb.attention_kwargs,
+                                    mb.images, mb.rope)
             logp, entropy = token_logprobs(logits, targets, temperature, with_entropy)
         else:
+            if mb.images is not None:
+                raise ValueError("context parallelism (--fsdp.cp_size > 1) does not split rows with images yet")
             c = split_row(mb.input_ids, mb.position_ids, mb.segments, self.cp_group, positions)
             logits = forward_logits(net, c.input_ids, c.position_ids, c.local, c.attention)
             logp, entropy = token_logprobs(logits, targets[c.mine], temperature, with_entropy)
@@ -242,7 +255,7 @@ class TrainWorker:
         """This rank's part of ``indices``: the same token-balanced split on every rank, one part per
         data-parallel rank (the tp and cp ranks of one data shard take the same part)."""
         shards = shard_samples([len(samples[i].token_ids) for i in indices], self.layout.data_size,
-                               [samples[i].token_ids for i in indices] if self.share_prefix else None)
+                               [identity(samples[i]) for i in indices] if self.share_prefix else None)
         return [indices[k] for k in shards[self.layout.data_rank]]
 
     def share(self, samples: list[Sample]) -> list[Sample]:
@@ -339,8 +352,10 @@ class TrainWorker:
             tmp = out_dir.rstrip("/") + ".tmp"
             self.policy.save_pretrained(tmp, state_dict=full)
             load_tokenizer(self.actor.model_name_or_path).save_pretrained(tmp)
+            processor = os.path.join(self.actor.model_name_or_path, "preprocessor_config.json")
+            if os.path.isfile(processor):  # a vision-language model's image processor
+                shutil.copy(processor, tmp)
             if os.path.isdir(out_dir):
-                import shutil
                 shutil.rmtree(out_dir)
             os.replace(tmp, out_dir)
         if self.world_size > 1:

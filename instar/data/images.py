@@ -1,0 +1,188 @@
+"""Images for vision-language models, in one form everywhere: a chat content part
+``{"type": "image", "image": "data:image/png;base64,..."}``. Datasets (paths, base64), the OpenAI
+``image_url`` and Anthropic ``image`` parts and an Env's images all become that, so a conversation stays
+plain JSON (hashable, cacheable, sent between processes as text) and one image is one string.
+
+`Vision` renders them for the model: the image processor turns each into patches (`ImageInputs`) and
+the single placeholder token the chat template writes per image is expanded to one token per merged
+patch, so the token ids the engine samples after and the trainer trains on hold the image exactly.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from instar.config import ConfigError
+from instar.contract import ContractError, ImageInputs
+from instar.data.chat import Message
+
+IMAGE_TYPES = ("image", "image_url")
+CACHED_IMAGES = 512  # processed images kept per process: a group's samples and a session's turns share them
+
+
+def data_url(image: Any, base_dir: str | Path | None = None, where: str = "image") -> str:
+    """An image as a PNG data URL: a PIL image, raw bytes, a data URL, bare base64, or a file path
+    (relative to ``base_dir``). Anything unreadable is a `ConfigError` naming ``where``."""
+    if isinstance(image, str) and image.startswith("data:"):
+        return image
+    if isinstance(image, dict) and image.get("bytes"):  # a `datasets` Image column's record
+        image = image["bytes"]
+    elif isinstance(image, dict) and image.get("path"):
+        image = image["path"]
+    if isinstance(image, (bytes, bytearray)):
+        return _png_url(_open(bytes(image), where))
+    if isinstance(image, str):
+        path = Path(base_dir or ".") / image
+        if len(image) < 4096 and path.is_file():
+            return _png_url(_open(path.read_bytes(), where))
+        try:
+            raw = base64.b64decode(image, validate=True)
+        except (binascii.Error, ValueError):
+            raise ConfigError(f"{where}: {image[:80]!r} is neither a file (looked in {path.parent}) nor base64 "
+                              "image data") from None
+        return _png_url(_open(raw, where))
+    if hasattr(image, "save") and hasattr(image, "mode"):  # a PIL image
+        return _png_url(image)
+    raise ConfigError(f"{where}: an image must be a PIL image, bytes, a data URL, base64 or a file path, "
+                      f"got {type(image).__name__}")
+
+
+def load_image(url: str, where: str = "image") -> Any:
+    """The PIL image (RGB) of a data URL."""
+    head, _, payload = url.partition(",")
+    if not head.startswith("data:") or not payload:
+        raise ConfigError(f"{where}: expected a data URL (data:image/...;base64,...), got {url[:60]!r}")
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ConfigError(f"{where}: the data URL's payload is not base64") from None
+    return _open(raw, where).convert("RGB")
+
+
+def _open(raw: bytes, where: str) -> Any:
+    from PIL import Image, UnidentifiedImageError
+    try:
+        image = Image.open(io.BytesIO(raw))
+        image.load()
+    except (UnidentifiedImageError, OSError) as e:
+        raise ConfigError(f"{where}: not a readable image ({e})") from None
+    return image
+
+
+def _png_url(image: Any) -> str:
+    out = io.BytesIO()
+    image.convert("RGB").save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def image_part(image: Any, base_dir: str | Path | None = None, where: str = "image") -> dict:
+    return {"type": "image", "image": data_url(image, base_dir, where)}
+
+
+def normalise(messages: list[Message], base_dir: str | Path | None = None, where: str = "prompt") -> list[Message]:
+    """``messages`` with every image part in the one form (``image`` or ``image_url`` parts, any source
+    `data_url` reads); messages without images come back as they are."""
+    out = []
+    for k, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list) and any(_is_image(p) for p in content):
+            parts = [image_part(_source(p), base_dir, f"{where} message {k} part {i}") if _is_image(p) else p
+                     for i, p in enumerate(content)]
+            message = {**message, "content": parts}
+        out.append(message)
+    return out
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") in IMAGE_TYPES
+
+
+def _source(part: dict) -> Any:
+    value = part.get(part["type"]) or part.get("url") or part.get("path")
+    return value.get("url") if isinstance(value, dict) else value  # OpenAI: {"image_url": {"url": ...}}
+
+
+def with_images(text: str, images: list[Any] | None, where: str = "observation") -> str | list[dict]:
+    """A message content: ``text`` alone, or the images (any `data_url` source) then the text."""
+    if not images:
+        return text
+    parts = [image_part(im, where=f"{where} image {k}") for k, im in enumerate(images)]
+    return [*parts, {"type": "text", "text": text}]
+
+
+def with_markers(content: str | list[dict], images: list[str]) -> list[dict]:
+    """A user turn's content with ``images`` (data URLs) at its ``<image>`` markers (geo3k's form), or
+    before it when the text has no marker for each."""
+    text = text_of(content)
+    parts = text.split("<image>")
+    if len(parts) != len(images) + 1:
+        return [image_part(im) for im in images] + (content if isinstance(content, list) else
+                                                     [{"type": "text", "text": content}])
+    out = [{"type": "text", "text": parts[0]}]
+    for im, rest in zip(images, parts[1:]):
+        out += [image_part(im), {"type": "text", "text": rest}]
+    return [p for p in out if p.get("type") != "text" or p["text"]]
+
+
+def text_of(content: Any) -> str:
+    """The text of a message content (its text parts, when it has images)."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return content or ""
+
+
+def image_urls(messages: list[Message]) -> list[str]:
+    """The data URLs of the image parts of (normalised) ``messages``, in order."""
+    return [p["image"] for m in messages if isinstance(m.get("content"), list) for p in m["content"] if _is_image(p)]
+
+
+class Vision:
+    """What a vision-language checkpoint needs to see images: its image processor and placeholder token."""
+
+    def __init__(self, processor: Any, token_id: int, merge: int) -> None:
+        self.processor, self.token_id, self.merge = processor, token_id, merge
+        self._cache: OrderedDict[str, ImageInputs] = OrderedDict()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Vision | None:
+        """The checkpoint's vision, or None for a text-only model."""
+        from transformers import AutoConfig, AutoImageProcessor
+        config = AutoConfig.from_pretrained(str(path))
+        if getattr(config, "vision_config", None) is None:
+            return None
+        if not (Path(path) / "preprocessor_config.json").is_file():
+            raise ConfigError(f"{path} is a vision-language model without preprocessor_config.json (its image "
+                              "processor)")
+        return cls(AutoImageProcessor.from_pretrained(str(path)), config.image_token_id,
+                   config.vision_config.spatial_merge_size)
+
+    def encode(self, url: str, where: str = "image") -> ImageInputs:
+        """One image's patches, cached by its data URL."""
+        found = self._cache.get(url)
+        if found is None:
+            out = self.processor(images=[load_image(url, where)], return_tensors="pt")
+            found = ImageInputs(out["pixel_values"].float(), out["image_grid_thw"].long(), self.token_id, self.merge)
+            self._cache[url] = found
+            if len(self._cache) > CACHED_IMAGES:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(url)
+        return found
+
+    def expand(self, ids: list[int], urls: list[str]) -> tuple[list[int], list[ImageInputs]]:
+        """``ids`` as the chat template wrote them (one placeholder per image) with each placeholder
+        repeated once per merged patch of its image, and the images' inputs."""
+        images = [self.encode(u) for u in urls]
+        slots = [i for i, t in enumerate(ids) if t == self.token_id]
+        if len(slots) != len(images):
+            raise ContractError(f"the chat template wrote {len(slots)} image placeholders for {len(images)} images")
+        out: list[int] = []
+        at = 0
+        for slot, image in zip(slots, images):
+            out += ids[at:slot] + [self.token_id] * image.counts[0]
+            at = slot + 1
+        return out + ids[at:], images
