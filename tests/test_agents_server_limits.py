@@ -164,12 +164,11 @@ BAD_BODIES = [  # (route, body, status, message): each was a plain-text 500 (or 
      "messages[1]: tool call arguments must be a JSON object, got [1, 2]"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
      400, "invalid request body: messages.0.content.str: Input should be a valid string; "
-          "messages.0.content.list[TextPart].0.text: Input should be a valid string"),
+          "messages.0.content.list[tagged-union[TextPart,ImageURLPart]].0.text.text: Input should be a valid string"),
     ("messages", {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
      400, "invalid request body: messages.0.content.str: Input should be a valid string; messages.0.content."
-          "list[tagged-union[TextPart,ToolUse,ToolResult,Thinking,RedactedThinking]].0: Input tag 'image' found using "
-          "'type' does not match any of the expected tags: 'text', 'tool_use', 'tool_result', 'thinking', "
-          "'redacted_thinking'"),
+          "list[tagged-union[TextPart,ImageBlock,ToolUse,ToolResult,Thinking,RedactedThinking]].0.image.source: "
+          "Field required"),
 ]
 
 

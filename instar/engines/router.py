@@ -36,13 +36,13 @@ class Router:
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        session_id: str | None = None, images: ImageInputs | None = None) -> Generation:
         async with self._placed(session_id) as engine:
-            return await engine.generate(prompt_token_ids, sampling_params, session_id, images)
+            return await engine.generate(prompt_token_ids, sampling_params, session_id, **_given(images))
 
     async def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                      session_id: str | None = None, images: ImageInputs | None = None,
                      ) -> AsyncIterator[Sampled | Generation]:
         async with self._placed(session_id) as engine:
-            stream = engine.stream(prompt_token_ids, sampling_params, session_id, images)
+            stream = engine.stream(prompt_token_ids, sampling_params, session_id, **_given(images))
             async with contextlib.aclosing(stream) as items:
                 async for item in items:
                     yield item
@@ -98,3 +98,8 @@ class Router:
     async def load(self) -> EngineLoad:
         loads = [x for x in await self._loads() if x is not None]
         return EngineLoad(queued=sum(x.queued for x in loads), running=sum(x.running for x in loads))
+
+
+def _given(images: ImageInputs | None) -> dict:
+    """``images`` as a keyword only when there are some: a text-only Sampler need not take them."""
+    return {} if images is None else {"images": images}
