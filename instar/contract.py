@@ -8,6 +8,7 @@ by which policy version (``versions``). Nothing here decodes text: the ids *are*
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field, fields
@@ -100,6 +101,16 @@ class ImageInputs:
                 found.append((start, i))
                 start = None
         return found
+
+    def keys(self, token_ids: list[int]) -> list[int]:
+        """``token_ids`` with each image token standing for its image's content (a negative int per image
+        and index): sequences alike in ids but not in pixels differ here, for prefix sharing."""
+        out = list(token_ids)
+        for (start, end), one in zip(self.runs(out), self.split()):
+            raw = one.pixel_values.numpy().tobytes() + one.grid_thw.numpy().tobytes()
+            digest = int(hashlib.sha1(raw).hexdigest()[:15], 16) << 20  # room for 2**20 tokens an image
+            out[start:end] = [-1 - digest - j for j in range(end - start)]
+        return out
 
     def positions(self, token_ids: list[int]) -> torch.Tensor:
         """Multimodal rotary positions (3, len): (time, height, width). Text tokens count up on all three

@@ -141,3 +141,16 @@ def test_sampling_params_checks():
         SamplingParams(top_p=0)
     with pytest.raises(ContractError, match="max_tokens must be >= 1, got 0"):
         SamplingParams(max_tokens=0)
+
+
+def test_image_keys_stand_for_pixels_not_ids():
+    """Image tokens become one negative key per (image content, index); text ids stay; equal images match."""
+    def images(*fills: float) -> ImageInputs:
+        return ImageInputs(torch.cat([torch.full((4, 2), f) for f in fills]), torch.tensor([[1, 2, 2]] * len(fills)), 9)
+
+    ids = [5, 9, 6, 9, 7]
+    same, other = images(0.5, 0.5).keys(ids), images(0.5, 0.25).keys(ids)
+    assert [same[0], same[2], same[4]] == [5, 6, 7] and same[1] == same[3] < 0
+    assert other[1] == same[1] and other[3] != same[3] < 0
+    two = ImageInputs(torch.zeros(8, 2), torch.tensor([[1, 2, 4]]), 9).keys([9, 9])  # one image, two tokens
+    assert two[0] != two[1]

@@ -8,6 +8,7 @@ without further type errors. Numbers are bounded so nothing out of range reaches
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -191,10 +192,8 @@ def content_of(content: str | list[Any] | None, where: str) -> str | list[dict]:
         if not url.startswith("data:image/"):
             raise WireError(400, f"{where}[{k}]: image_url must be a data URL (data:image/png;base64,...); the chat "
                                  "server fetches no URL")
-        try:
-            load_image(url, f"{where}[{k}]")
-        except ConfigError as e:
-            raise WireError(400, str(e)) from None
+        if (problem := _unreadable(url)) is not None:
+            raise WireError(400, f"{where}[{k}]: {problem}")
         parts.append({"type": "image", "image": url})
     return parts
 
@@ -357,3 +356,13 @@ async def anthropic_events(parts: AsyncIterator[Delta | Turn], model: str,
         yield event("content_block_stop", index=index)
     yield event("message_delta", usage=full["usage"], delta={"stop_reason": full["stop_reason"], "stop_sequence": None})
     yield event("message_stop")
+
+
+@functools.lru_cache(maxsize=256)
+def _unreadable(url: str) -> str | None:
+    """Why ``url`` is no image, or None; cached, as a conversation sends its images again every turn."""
+    try:
+        load_image(url)
+    except ConfigError as e:
+        return str(e).removeprefix("image: ")
+    return None

@@ -58,10 +58,11 @@ def conversation_sample(tokenizer: Any, messages: list[dict], tools: list | None
     With ``vision`` each image placeholder is expanded (`Vision.expand`); a cut never splits an image."""
     ids, mask = tokenize_conversation(tokenizer, messages, tools)
     images = None
-    if vision is not None and (found := vision.expand(ids, image_urls(messages))[1]):
+    expanded, found = vision.expand(ids, image_urls(messages)) if vision is not None else (ids, [])
+    if found:
         counts = iter(im.counts[0] for im in found)  # a placeholder's copies take its mask value
         mask = [m for t, m in zip(ids, mask) for _ in range(next(counts) if t == vision.token_id else 1)]
-        ids = vision.expand(ids, image_urls(messages))[0]
+        ids = expanded
         runs = ImageInputs.cat(found).runs(ids)
         if max_len is not None:  # a cut before an image that does not fit whole: no image is split
             max_len = min([max_len, *(start for start, end in runs if end > max_len)])

@@ -26,11 +26,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import hashlib
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -50,46 +48,8 @@ from instar.engines.kv_model import (
 )
 from instar.engines.prefix_cache import CachedPrefix, PrefixCache, common_prefix_len
 from instar.engines.protocol import EngineLoad, PauseMode, Sampled, check_prompt
+from instar.engines.request import Request, attach_images, image_features
 from instar.engines.sampling import sample
-
-
-@dataclass(eq=False)
-class Request:
-    ids: list[int]  # prompt, then every sampled token
-    prompt_len: int
-    params: SamplingParams
-    session_id: str | None
-    generator: torch.Generator | None  # seeded requests only
-    future: asyncio.Future
-    slot: int = -1
-    cached: int = 0  # leading ids whose keys/values are in the slot (and valid for the current weights)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    routed: list[torch.Tensor] = field(default_factory=list)  # (moe_layers, top_k) per routed sampled token
-    finish_reason: str | None = None
-    progress: asyncio.Event | None = None  # streamed requests: set on each sampled token and when finished
-    previous: bool = False  # started before the weights now in use: it finishes on the previous model (drain)
-    images: ImageInputs | None = None
-    keys: list | None = None  # the prompt's identity: its ids, image tokens as (image hash, index) pairs
-    rope: torch.Tensor | None = None  # (3, prompt_len) multimodal rotary positions
-    delta: int = 0  # rotary position minus index of every token after the prompt's last image
-    features: dict[int, torch.Tensor] = field(default_factory=dict)  # image index -> (1 + levels, tokens, hidden)
-
-    @property
-    def num_sampled(self) -> int:
-        return len(self.ids) - self.prompt_len
-
-    def identity(self, end: int) -> list:
-        """What the first ``end`` tokens are, for prefix sharing: the ids, with each image token
-        standing for its image's content (images alike in ids differ in pixels)."""
-        return self.ids[:end] if self.keys is None else (self.keys + self.ids[self.prompt_len:])[:end]
-
-    def rope_of(self, start: int, end: int) -> torch.Tensor:
-        """Rotary positions (3, end - start) of tokens start..end."""
-        if self.rope is None:
-            return torch.arange(start, end).expand(3, -1)
-        tail = torch.arange(max(start, self.prompt_len), end) + self.delta
-        return torch.cat([self.rope[:, start:end], tail.expand(3, -1)], dim=1)
 
 
 class EmbeddedEngine:
@@ -178,7 +138,7 @@ class EmbeddedEngine:
         request = Request(list(prompt_token_ids), len(prompt_token_ids), sampling_params, session_id, generator,
                           asyncio.get_running_loop().create_future(), progress=progress)
         if images is not None:
-            _with_images(request, images)
+            attach_images(request, images)
         self._queue.append(request)
         self._wake.set()
         return request
@@ -349,7 +309,7 @@ class EmbeddedEngine:
         rope, images = None, None
         if self._vision:
             rope = [r.rope_of(r.cached, len(r.ids)) for r in group]
-            images = [_new_features(model, r) for r in group]
+            images = [image_features(model, r) for r in group]
         batch = make_batch(self._cache, new, [r.slot for r in group], [r.cached for r in group], rope, images)
         logits, routed = forward(model, self._cache, batch)
         offset = 0
@@ -430,37 +390,3 @@ class EmbeddedEngine:
             self._cache.write(request.slot, entry.keys, entry.values, n)
             request.cached = n
             self.stats["prefix_hit_tokens"] += n
-
-
-def _with_images(request: Request, images: ImageInputs) -> None:
-    """Check the prompt's images against its placeholder tokens and derive what the scheduler needs."""
-    images.validate(request.ids, "prompt")
-    request.images, request.rope = images, images.positions(request.ids)
-    request.delta = int(request.rope.max()) + 1 - request.prompt_len
-    request.keys = list(request.ids)
-    for (start, end), one in zip(images.runs(request.ids), images.split()):
-        digest = hashlib.sha1(one.pixel_values.numpy().tobytes() + one.grid_thw.numpy().tobytes()).hexdigest()
-        request.keys[start:end] = [(digest, j) for j in range(end - start)]
-
-
-def _new_features(model: nn.Module, request: Request) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Row indices and features of the image tokens among ``request``'s uncached tokens, running the
-    vision tower once for each image not yet seen (again after a weight update)."""
-    if request.images is None:
-        return None
-    runs = request.images.runs(request.ids[: request.prompt_len])  # a sampled placeholder id is no image
-    need = [k for k, (start, end) in enumerate(runs) if end > request.cached and k not in request.features]
-    if need:
-        parts = request.images.split()
-        inputs = ImageInputs.cat([parts[k] for k in need])
-        out = model.model.get_image_features(inputs.pixel_values.to(model.dtype), inputs.grid_thw, return_dict=True)
-        levels = [out.pooler_output, *out.deepstack_features]
-        for j, k in enumerate(need):
-            request.features[k] = torch.stack([level[j] for level in levels])
-    at, features = [], []
-    for k, (start, end) in enumerate(runs):
-        first = max(start, request.cached)
-        if end > first:
-            at.append(torch.arange(first, end) - request.cached)
-            features.append(request.features[k][:, first - start:])
-    return (torch.cat(at), torch.cat(features, dim=1)) if at else None
