@@ -2,7 +2,7 @@
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast lint test-vllm
+.PHONY: setup demo demo-vlm test test-fast lint test-vllm
 
 setup:
 	@bash scripts/setup.sh
@@ -10,6 +10,10 @@ setup:
 # The main job: a tiny model learns a calculator tool with SFT + RL on CPU (scripts/demo.sh).
 demo: setup
 	@bash scripts/demo.sh
+
+# A tiny vision-language model learns to count shapes in pictures: SFT + RL on image prompts (scripts/demo_vlm.sh).
+demo-vlm: setup
+	@bash scripts/demo_vlm.sh
 
 # Every test, the slow end-to-end ones included; lint first.
 test: setup lint

@@ -7,6 +7,7 @@ by which policy version (``versions``). Nothing here decodes text: the ids *are*
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import json
@@ -275,13 +276,19 @@ def read_jsonl(path: str) -> list[Trajectory]:
         return [Trajectory.from_json(line) for line in f if line.strip()]
 
 
-# JSON cannot hold tensors: store them as {"__tensor__": dtype, "shape": ..., "data": flat list}.
-# float32 -> Python float -> float32 is exact, so the round trip is bit-exact.
+# JSON cannot hold tensors: store them as {"__tensor__": dtype, "shape": ..., "data": flat list}, or,
+# past LIST_TENSOR_MAX elements (an image's patches), "bytes": base64 of the raw little-endian values: a
+# quarter of the size of decimal floats and no parsing. Both round trips are bit-exact.
+LIST_TENSOR_MAX = 256
+
+
 def _encode(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        t = x.detach().cpu()
-        return {"__tensor__": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                "data": t.reshape(-1).tolist()}
+        t = x.detach().cpu().contiguous()
+        out = {"__tensor__": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+        if t.numel() <= LIST_TENSOR_MAX:
+            return {**out, "data": t.reshape(-1).tolist()}
+        return {**out, "bytes": base64.b64encode(t.reshape(-1).view(torch.uint8).numpy().tobytes()).decode()}
     if hasattr(x, "__dataclass_fields__"):
         return {f.name: _encode(getattr(x, f.name)) for f in fields(x)}
     if isinstance(x, dict):
@@ -293,7 +300,11 @@ def _encode(x: Any) -> Any:
 
 def _decode(x: Any) -> Any:
     if isinstance(x, dict) and "__tensor__" in x:
-        return torch.tensor(x["data"], dtype=getattr(torch, x["__tensor__"])).reshape(x["shape"])
+        dtype = getattr(torch, x["__tensor__"])
+        if "bytes" in x:
+            raw = bytearray(base64.b64decode(x["bytes"]))
+            return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(x["shape"])
+        return torch.tensor(x["data"], dtype=dtype).reshape(x["shape"])
     if isinstance(x, dict):
         return {k: _decode(v) for k, v in x.items()}
     return x

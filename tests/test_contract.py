@@ -1,5 +1,6 @@
 """The token-first contract: every invariant violation is caught with a message naming field, index, value."""
 
+import json
 import math
 
 import pytest
@@ -154,3 +155,17 @@ def test_image_keys_stand_for_pixels_not_ids():
     assert other[1] == same[1] and other[3] != same[3] < 0
     two = ImageInputs(torch.zeros(8, 2), torch.tensor([[1, 2, 4]]), 9).keys([9, 9])  # one image, two tokens
     assert two[0] != two[1]
+
+
+def test_large_tensors_travel_as_raw_bytes_bit_exact():
+    """Past 256 elements (an image's patches) a tensor is base64 of its bytes, every dtype bit-exact."""
+    from instar.contract import _decode, _encode
+    g = torch.Generator().manual_seed(0)
+    for t in (torch.randn(64, 96, generator=g), torch.randn(300, generator=g).bfloat16(),
+              torch.randint(-2**40, 2**40, (17, 16), generator=g), torch.rand(257, generator=g) > 0.5):
+        encoded = json.loads(json.dumps(_encode(t)))
+        assert "bytes" in encoded and "data" not in encoded
+        back = _decode(encoded)
+        assert back.dtype == t.dtype and back.shape == t.shape
+        assert torch.equal(back, t)
+    assert _encode(torch.arange(3))["data"] == [0, 1, 2]  # small ones stay readable

@@ -62,6 +62,17 @@ def test_sync_mode_two_engines_two_ranks(tmp_path, tiny_model_dir, prompts):
     assert (tmp_path / "run/hf/model.safetensors").exists()
 
 
+def test_a_run_whose_every_rollout_fails_stops_saying_why(tmp_path, tiny_model_dir, prompts, capfd):
+    """No batch to train on, ever: the run ends after --train.max_barren_batches batches, naming the drops."""
+    cfg = make_cfg(tmp_path, tiny_model_dir, prompts, **{"train.agent_path": str(ROOT / "tests/agents/broken_env.py"),
+                                                         "train.max_barren_batches": 2})
+    with pytest.raises(RuntimeError, match=r"2 rollout batches in a row left nothing to train on .*"
+                                           r"agent/dropped_error_ValueError"):
+        run(cfg)
+    assert "step 1: nothing to train on in batch 1 in a row" in capfd.readouterr().err
+    assert not (tmp_path / "run" / "hf").exists()
+
+
 def test_async_partial_rollout_mixes_versions(tmp_path, tiny_model_dir, prompts):
     cfg = make_cfg(tmp_path, tiny_model_dir, prompts, **{
         "train.async_queue_size": 2, "train.partial_rollout_enable": True, "engine.num_engines": 2,

@@ -258,3 +258,29 @@ async def test_chat_server_takes_openai_and_anthropic_images_and_records_them(vl
                 await client.chat.completions.create(model="tiny", messages=messages[:1])
     finally:
         await engine.close()
+
+
+def test_view_shows_each_image_where_its_tokens_are(tmp_path, vlm, tiny_vlm_dir):
+    """The page holds each image once, in place of its placeholder run, rebuilt from the dumped patches to
+    the pixel (a 128x128 picture is not resized); the text around it is shown token by token."""
+    import re
+
+    from instar.cli.view import write_view
+    from instar.contract import NO_VERSION, Sample, Trajectory, write_jsonl
+    from instar.data.images import load_image
+
+    _, tokenizer, vision = vlm
+    red, blue = picture("red"), picture("blue", "circle")
+    ids, images = image_prompt(None, tokenizer, vision, red, blue)
+    answer = tokenizer.encode("2")
+    n = len(ids)
+    sample = Sample(ids + answer, [0] * n + [1] * len(answer), [0.0] * n + [-0.5] * len(answer),
+                    [NO_VERSION] * n + [1] * len(answer), images=images)
+    write_jsonl(str(tmp_path / "step_000001.jsonl"), [Trajectory([sample], 1.0, None, "r0", 0, "stop")])
+    page = write_view(tmp_path, str(tiny_vlm_dir)).read_text()
+    urls = re.findall(r"<img src='([^']+)' title='image: (\d+) tokens", page)
+    assert [int(k) for _, k in urls] == [16, 16]
+    for (url, _), original in zip(urls, (red, blue)):
+        assert list(load_image(url).getdata()) == list(original.getdata())
+    assert "image_pad" not in page and "What is it?" in re.sub(r"<[^>]+>", "", page)
+    assert "logprob -0.5000" in page

@@ -4,7 +4,9 @@ token-level HTML page.
 Every token is shown as the model saw it. Context tokens (prompt, chat template, tool results) are
 grey; sampled tokens are shaded by the probability the engine gave them, from green (likely) to red
 (unlikely), so a surprising token stands out. Hovering a token shows its id, logprob and the policy
-version that sampled it. Segments are split where the agent rewrote its history.
+version that sampled it. Segments are split where the agent rewrote its history. An image (a
+vision-language model's dump) is shown where its placeholder tokens are, rebuilt from the patches the
+model was given, so what is on the page is what the model saw.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from instar.contract import Sample, Trajectory, read_jsonl
+from instar.contract import ImageInputs, Sample, Trajectory, read_jsonl
+from instar.data.images import Vision, data_url
 
 STYLE = """body{font-family:sans-serif;margin:1.5em}section{border:1px solid #ccc;border-radius:6px;padding:.6em;
 margin:1em 0}h2{font-size:1em;margin:.2em 0}.t{font-family:monospace;white-space:pre-wrap;line-height:1.6}
-.c{color:#777}.a{border-radius:2px}.seg{border-top:2px dashed #999;margin:.5em 0;color:#999;font-size:.8em}"""
+.c{color:#777}.a{border-radius:2px}.seg{border-top:2px dashed #999;margin:.5em 0;color:#999;font-size:.8em}
+img{vertical-align:middle;border:1px solid #999;margin:2px;image-rendering:pixelated}"""
 
 
 def load_dump(path: str | Path) -> list[tuple[str, Trajectory]]:
@@ -60,17 +64,30 @@ def token_pieces(token_ids: list[int], decode: Callable[[list[int]], str]) -> li
     return pieces
 
 
-def _segment(sample: Sample, decode: Callable[[list[int]], str]) -> str:
+Pictures = Callable[[ImageInputs], list]  # a dump's images back as PIL pictures (`Vision.pictures`)
+
+
+def _segment(sample: Sample, decode: Callable[[list[int]], str], pictures: Pictures | None = None) -> str:
     spans = []
+    runs = sample.images.runs(sample.token_ids) if sample.images is not None and pictures else []
+    shown = dict(zip(runs, pictures(sample.images))) if runs else {}
+    inside = {t for a, z in runs for t in range(a, z)}
     for start, end, text in token_pieces(sample.token_ids, decode):
+        if start in inside:  # an image's placeholder run: the picture once, in place of its tokens
+            for (a, z), picture in shown.items():
+                if a == start:
+                    spans.append(f"<img src='{data_url(picture)}' title='image: {z - a} tokens of id "
+                                 f"{sample.token_ids[a]}, {picture.width}x{picture.height} as the model saw it'>")
+            continue
         mask = sample.action_mask[start:end]
         logprob = sum(lp for lp, m in zip(sample.rollout_logprobs[start:end], mask) if m)  # of the whole span
         spans.append(_token(text, sample.token_ids[start:end], any(mask), logprob, sample.versions[end - 1]))
     return "".join(spans)
 
 
-def render(items: list[tuple[str, Trajectory]], decode: Callable[[list[int]], str], title: str) -> str:
-    """The HTML page for ``items``; ``decode`` turns token ids into text."""
+def render(items: list[tuple[str, Trajectory]], decode: Callable[[list[int]], str], title: str,
+           pictures: Pictures | None = None) -> str:
+    """The HTML page for ``items``; ``decode`` turns token ids into text, ``pictures`` images into pictures."""
     sections = []
     for source, t in items:
         versions = sorted({v for s in t.segments for v, m in zip(s.versions, s.action_mask) if m})
@@ -79,7 +96,7 @@ def render(items: list[tuple[str, Trajectory]], decode: Callable[[list[int]], st
                 f" · {html.escape(t.finish_reason)} · {sum(s.num_actions for s in t.segments)} sampled tokens"
                 f" · versions {versions}")
         body = "<div class=seg>history rewritten: new segment</div>".join(
-            f"<div class=t>{_segment(s, decode)}</div>" for s in t.segments)
+            f"<div class=t>{_segment(s, decode, pictures)}</div>" for s in t.segments)
         sections.append(f"<section><h2>{head}</h2>{body}</section>")
     legend = ("<p>grey: context (prompt, template, tool results); shaded: sampled, green = likely, "
               "red = unlikely; hover a token for its id, logprob and policy version.</p>")
@@ -96,5 +113,7 @@ def write_view(path: str | Path, tokenizer_path: str, out: str | Path | None = N
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     path = Path(path)
     target = Path(out) if out else (path if path.is_dir() else path.parent) / "view.html"
-    target.write_text(render(items, tokenizer.decode, f"instar view: {path.name}"), encoding="utf-8")
+    vision = Vision.from_pretrained(tokenizer_path)
+    page = render(items, tokenizer.decode, f"instar view: {path.name}", vision.pictures if vision else None)
+    target.write_text(page, encoding="utf-8")
     return target

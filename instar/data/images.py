@@ -17,6 +17,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from instar.config import ConfigError
 from instar.contract import ContractError, ImageInputs
 from instar.data.chat import Message
@@ -186,3 +188,19 @@ class Vision:
             out += ids[at:slot] + [self.token_id] * image.counts[0]
             at = slot + 1
         return out + ids[at:], images
+
+    def pictures(self, images: ImageInputs) -> list[Any]:
+        """The images back as PIL pictures, as the model sees them (resized), from their patches: the
+        processor's layout undone (Qwen-VL: each row one patch of (channels, time, patch, patch), rows in
+        merge-window order) and its normalisation reversed. For looking at a dump (`instar view`)."""
+        from PIL import Image
+        p, m = self.processor.patch_size, self.merge
+        mean, std = (torch.tensor(v).view(-1, 1, 1) for v in (self.processor.image_mean, self.processor.image_std))
+        out = []
+        for one in images.split():
+            _, gh, gw = one.grid_thw[0].tolist()
+            x = one.pixel_values.view(gh // m, gw // m, m, m, len(mean), -1, p, p)[:, :, :, :, :, 0]
+            x = x.permute(4, 0, 2, 5, 1, 3, 6).reshape(len(mean), gh * p, gw * p)
+            x = (x * std + mean) / self.processor.rescale_factor
+            out.append(Image.fromarray(x.round().clamp(0, 255).byte().permute(1, 2, 0).numpy()))
+        return out
