@@ -70,14 +70,14 @@ Pictures = Callable[[ImageInputs], list]  # a dump's images back as PIL pictures
 def _segment(sample: Sample, decode: Callable[[list[int]], str], pictures: Pictures | None = None) -> str:
     spans = []
     runs = sample.images.runs(sample.token_ids) if sample.images is not None and pictures else []
-    shown = dict(zip(runs, pictures(sample.images))) if runs else {}
+    shown = {a: (z, picture) for (a, z), picture in zip(runs, pictures(sample.images))} if runs else {}
     inside = {t for a, z in runs for t in range(a, z)}
     for start, end, text in token_pieces(sample.token_ids, decode):
-        if start in inside:  # an image's placeholder run: the picture once, in place of its tokens
-            for (a, z), picture in shown.items():
-                if a == start:
-                    spans.append(f"<img src='{data_url(picture)}' title='image: {z - a} tokens of id "
-                                 f"{sample.token_ids[a]}, {picture.width}x{picture.height} as the model saw it'>")
+        if start in shown:  # an image's placeholder run: the picture once, in place of its tokens
+            z, picture = shown[start]
+            spans.append(f"<img src='{data_url(picture)}' title='image: {z - start} tokens of id "
+                         f"{sample.token_ids[start]}, {picture.width}x{picture.height} as the model saw it'>")
+        if start in inside:
             continue
         mask = sample.action_mask[start:end]
         logprob = sum(lp for lp, m in zip(sample.rollout_logprobs[start:end], mask) if m)  # of the whole span
