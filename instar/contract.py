@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -107,11 +108,15 @@ class ImageInputs:
         """``token_ids`` with each image token standing for its image's content (a negative int per image
         and index): sequences alike in ids but not in pixels differ here, for prefix sharing."""
         out = list(token_ids)
-        for (start, end), one in zip(self.runs(out), self.split()):
-            raw = one.pixel_values.numpy().tobytes() + one.grid_thw.numpy().tobytes()
-            digest = int(hashlib.sha1(raw).hexdigest()[:15], 16) << 20  # room for 2**20 tokens an image
-            out[start:end] = [-1 - digest - j for j in range(end - start)]
+        for (start, end), digest in zip(self.runs(out), self._digests):
+            out[start:end] = [-1 - (digest << 20) - j for j in range(end - start)]  # room for 2**20 tokens an image
         return out
+
+    @functools.cached_property
+    def _digests(self) -> list[int]:
+        """Each image's content hash, computed once: the trainer asks for `keys` several times a step."""
+        return [int(hashlib.sha1(one.pixel_values.numpy().tobytes() + one.grid_thw.numpy().tobytes())
+                    .hexdigest()[:15], 16) for one in self.split()]
 
     def positions(self, token_ids: list[int]) -> torch.Tensor:
         """Multimodal rotary positions (3, len): (time, height, width). Text tokens count up on all three
