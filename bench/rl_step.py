@@ -140,8 +140,10 @@ def instar_run(model_dir: str, prompts: str, agent: str, out: Path, args: argpar
     split = {k: statistics.mean(r[f"time/{k}"] for r in timed)
              for k in ("trainer_idle", "logprobs", "train", "weight_sync", "step")}
     split |= {k: statistics.mean(r.get(f"weight_sync/{k}_s", 0.0) for r in timed) for k in ("engine_wait", "transfer")}
-    return {"tokens_per_s": tokens / seconds, **split,
-            "engine_idle": statistics.mean(r.get("engine/idle_fraction", 0.0) for r in timed)}
+    engine = {k: statistics.mean(r.get(f"engine/{k}", 0.0) for r in timed)
+              for k in ("idle_fraction", "rows_per_step", "step_ms")}
+    return {"tokens_per_s": tokens / seconds, **split, **engine,
+            "agent_cpu": statistics.mean(r.get("agent/cpu_fraction", 0.0) for r in timed)}
 
 
 def main() -> None:
@@ -171,7 +173,9 @@ def main() -> None:
         print(f"instar {mode:8s} {r['tokens_per_s']:8.0f} completion tokens/s, ratio {ratio:.2f}"
               f"; step {r['step']:.3f} s = waiting for rollouts {r['trainer_idle']:.3f} + logprobs {r['logprobs']:.3f}"
               f" + update {r['train']:.3f} + weight sync {r['weight_sync']:.3f} (transfer {r['transfer']:.3f}, of"
-              f" it waiting for the engine's loop {r['engine_wait']:.3f}); engine idle {r['engine_idle']:.0%}")
+              f" it waiting for the engine's loop {r['engine_wait']:.3f}); engine idle {r['idle_fraction']:.0%}, "
+              f"{r['rows_per_step']:.0f} rows and {r['step_ms']:.1f} ms a step; "
+              f"agent runner CPU {r['agent_cpu']:.0%}")
     if "sync" in results and "async" in results:
         print(f"async_over_sync={results['async']['tokens_per_s'] / results['sync']['tokens_per_s']:.2f}")
     if "partial" in results and "async" in results:

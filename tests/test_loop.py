@@ -56,6 +56,7 @@ def test_sync_mode_two_engines_two_ranks(tmp_path, tiny_model_dir, prompts):
     assert all(m["trajectories"] == 8 for m in metrics)
     assert metrics[0]["actor/grad_norm"] > 0
     assert all(m["engine/idle_fraction"] <= 1 and m["agent/cpu_fraction"] > 0 for m in metrics)
+    assert all(1 <= m["engine/rows_per_step"] <= 8 and m["engine/step_ms"] > 0 for m in metrics)
     ledger = rows(tmp_path / "run/ledger.jsonl")
     trained = [(r["epoch"], r["prompt_index"]) for r in ledger if r["outcome"] == "trained"]
     assert len(trained) == 6 == len(set(trained))

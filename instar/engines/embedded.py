@@ -79,7 +79,8 @@ class EmbeddedEngine:
         self._error: BaseException | None = None
         self._closed = False
         self._weight_group = None
-        self.stats = {"prompt_tokens": 0, "prefix_hit_tokens": 0, "sampled_tokens": 0, "busy_seconds": 0.0}
+        self.stats = {"prompt_tokens": 0, "prefix_hit_tokens": 0, "sampled_tokens": 0, "busy_seconds": 0.0,
+                      "steps": 0}
         """Counters since start: prompt tokens admitted, of those the ones whose KV came from the
         session's cached prefix (not recomputed), and tokens sampled."""
 
@@ -231,6 +232,7 @@ class EmbeddedEngine:
                 start = time.perf_counter()
                 self._step()
                 self.stats["busy_seconds"] += time.perf_counter() - start
+                self.stats["steps"] += 1
                 await asyncio.sleep(0)  # let new requests, pause and resume in between steps
         except Exception as error:  # fail every waiter rather than leave it hanging
             self._error = error

@@ -84,7 +84,7 @@ class Engine(Sampler, Protocol):
     """A rollout engine. Control calls come from the driver, one engine at a time (`Cluster`)."""
 
     stats: dict[str, float]
-    """Counters since start (prompt_tokens, prefix_hit_tokens, sampled_tokens; busy_seconds where known)."""
+    """Counters since start (prompt_tokens, prefix_hit_tokens, sampled_tokens; busy_seconds and steps where known)."""
 
     @property
     def version(self) -> int: ...

@@ -31,6 +31,9 @@ class Usage:
                 totals["agent/cpu_fraction"] = delta["agent_cpu_seconds"] / ((now - then) * len(self.agents))
             if "busy_seconds" in delta:
                 totals["engine/idle_fraction"] = 1 - delta["busy_seconds"] / ((now - then) * len(self.engines))
+        if delta.get("steps"):  # how well requests batch, and what one engine step costs
+            totals["engine/rows_per_step"] = delta["sampled_tokens"] / delta["steps"]
+            totals["engine/step_ms"] = 1000 * delta.get("busy_seconds", 0.0) / delta["steps"]
         if delta.get("prompt_tokens"):
             totals["engine/prefix_hit_rate"] = delta.get("prefix_hit_tokens", 0.0) / delta["prompt_tokens"]
         return totals
