@@ -187,3 +187,61 @@ def test_an_actor_engine_shares_one_load_query_and_batches_releases():
     assert loads == [EngineLoad(queued=2, running=1)] * 8 and again == loads[0]
     assert len(Handle.load.calls) == 2
     assert Handle.release.calls == [("s0", "s1", "s2", "s3", "s4"), ("s5",)]
+
+
+def test_an_actor_engine_sends_requests_made_together_in_one_call():
+    """Requests made in one turn of the loop travel as one generate_many call whose answers come back by key
+    (an error to its own request only); a lone request is a plain generate call; a caller that goes away
+    aborts its request by key."""
+    answers = {"p1": Generation([1], [-0.5], [0], "stop"), "p2": ValueError("prompt too long"),
+               "p3": Generation([3], [-0.1], [0], "length"), "solo": Generation([9], [-0.2], [0], "stop")}
+
+    def ready(value):
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(value)
+        return future
+
+    class Handle:
+        calls: list = []
+
+        class generate:
+            @staticmethod
+            def remote(prompt, params, session_id, images):
+                Handle.calls.append(("generate", prompt))
+                return ready(answers[prompt])
+
+        class generate_many:
+            @staticmethod
+            def remote(requests):
+                Handle.calls.append(("generate_many", [r[1] for r in requests]))
+
+                async def items():  # p1 and p2 finish in one engine step, p3 later
+                    yield ready([(key, answers[p]) for key, p, *_ in requests if p != "p3"])
+                    await asyncio.sleep(0.01)
+                    yield ready([(key, answers[p]) for key, p, *_ in requests if p == "p3"])
+                return items()
+
+        class abort:
+            @staticmethod
+            def remote(*keys):
+                Handle.calls.append(("abort", keys))
+
+    async def main():
+        engine = RemoteEngine(Handle())
+        results = await asyncio.gather(*(engine.generate(p, SamplingParams()) for p in ("p1", "p2", "p3")),
+                                       return_exceptions=True)
+        solo = await engine.generate("solo", SamplingParams())
+        hanging = [asyncio.ensure_future(engine.generate(p, SamplingParams())) for p in ("p1", "p3")]
+        await asyncio.sleep(0.002)  # sent; p1 answered, p3 not yet
+        hanging[1].cancel()
+        await asyncio.sleep(0.02)
+        return results, solo, hanging
+
+    results, solo, hanging = asyncio.run(main())
+    assert results[0] == answers["p1"] and results[2] == answers["p3"] and solo == answers["solo"]
+    assert isinstance(results[1], ValueError) and str(results[1]) == "prompt too long"
+    assert hanging[0].result() == answers["p1"] and hanging[1].cancelled()
+    names = [c[0] for c in Handle.calls]
+    assert names == ["generate_many", "generate", "generate_many", "abort"]
+    assert Handle.calls[0][1] == ["p1", "p2", "p3"] and Handle.calls[2][1] == ["p1", "p3"]
+    assert len(Handle.calls[3][1]) == 1 and Handle.calls[3][1][0].endswith("-5")  # the key of the 6th request (p3)
