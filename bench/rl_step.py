@@ -8,7 +8,8 @@ weight sync) in each mode: strictly on-policy (`--train.force_sync_mode`), async
 default), and async with partial rollout.
 
 Both sides count completion tokens (sampled tokens, the end-of-turn token included) per second of
-the timed steps (the first --warmup steps of each are not timed). The last line is
+the timed steps (the first --warmup steps of each are not timed); the bare loop runs before and after
+instar's runs and its two figures are averaged (the load of a shared machine drifts over minutes). The last line is
 `rl_ratio=<instar async / bare>`.
 
     OMP_NUM_THREADS=1 python bench/rl_step.py                          # 8 prompts x 8 samples x 48 tokens
@@ -162,12 +163,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d)
         model_dir, prompts, agent = build(out, args.scale, args.prompts)
+        # the bare loop before and after instar's runs, averaged: load from other processes drifts over minutes
+        before = bare_loop(model_dir, prompts, args)
         results = {mode: instar_run(model_dir, prompts, agent, out, args, mode) for mode in args.modes.split(",")}
-        bare = bare_loop(model_dir, prompts, args)
+        after = bare_loop(model_dir, prompts, args)
+        bare = {k: (before[k] + after[k]) / 2 for k in before}
     print(f"\nworkload: {args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, "
           f"model scale {args.scale}, {args.steps} timed steps after {args.warmup}")
     print(f"bare loop: {bare['tokens_per_s']:8.0f} completion tokens/s, step {bare['step_s']:.3f} s "
-          f"(generate {bare['generate_s']:.3f} s, train {bare['train_s']:.3f} s, {args.bare_threads} threads)")
+          f"(generate {bare['generate_s']:.3f} s, train {bare['train_s']:.3f} s, {args.bare_threads} threads; "
+          f"{before['tokens_per_s']:.0f} before instar's runs, {after['tokens_per_s']:.0f} after)")
     for mode, r in results.items():
         ratio = r["tokens_per_s"] / bare["tokens_per_s"]
         print(f"instar {mode:8s} {r['tokens_per_s']:8.0f} completion tokens/s, ratio {ratio:.2f}"

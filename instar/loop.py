@@ -84,6 +84,7 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
             logger.log(0, await evaluate_agents(cluster.agents, cfg, sampling))
         metrics: dict[str, float] = {}
         barren = 0  # consecutive batches that left nothing to train on
+        syncing: asyncio.Future | None = None  # the last step's weight sync, while it runs
         while step < cfg.train.max_steps:
             t0 = time.perf_counter()
             groups = await pool.next_batch(r.batch_size)
@@ -92,6 +93,9 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
             mark(stream, out, step + 1, rejected, "filtered")
             if not kept:  # everything filtered or dropped: nothing to learn from, draw again
                 barren += 1
+                metrics |= await finished(syncing)
+                syncing = None
+                pool.weights_updated()  # the dropped batch no longer holds generation back
                 await cluster.restore_engines(step)  # a restarted sole engine serves only once it has weights
                 why = barren_reason(metrics, await usage.read())
                 logger.note(f"step {step + 1}: nothing to train on in batch {barren} in a row: {why}")
@@ -122,8 +126,13 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
                 metrics |= critic.metrics
             t_train = time.perf_counter()
             step += 1
-            metrics |= await cluster.sync_weights(step, keep_in_flight=cfg.train.partial_rollout_enable)
-            pool.weights_updated()
+            # The new weights go to the engines while the next batch trains (when generation may run ahead);
+            # the pool runs ahead again once they are there. The sync's figures join the row of the step it ends in.
+            metrics |= await finished(syncing)
+            syncing = await sync_weights(cluster, pool, step, cfg)
+            if cfg.train.force_sync_mode or cfg.train.async_queue_size == 0:  # nothing can overlap it
+                metrics |= await finished(syncing)
+                syncing = None
             t_sync = time.perf_counter()
             if stats.ref_kl is not None:
                 kl.update(stats.ref_kl, len(rows.trajectories))
@@ -138,6 +147,9 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
                         "time/train": t_train - t_logp, "time/weight_sync": t_sync - t_train,
                         "time/step": t_sync - t0,
                         "tokens_per_second": sum(len(s.token_ids) for s in rows.samples) / max(t_sync - t0, 1e-9)}
+            if eval_due(step) or step == cfg.train.max_steps:  # the engines must hold this step's weights
+                metrics |= await finished(syncing)
+                syncing = None
             if eval_due(step):
                 metrics |= await evaluate_agents(cluster.agents, cfg, sampling, step)
             logger.log(step, metrics)
@@ -151,6 +163,25 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
         await pool.close()
         logger.close()
     return metrics
+
+
+async def sync_weights(cluster: Cluster, pool: Pool, step: int, cfg: RLConfig) -> asyncio.Future:
+    """Send the policy after ``step`` to the engines. Returns once it is on its way (the trainer's next call
+    runs after the send) a future of the sync's figures, done when the engines hold it; the pool may then
+    sample under it."""
+    t0 = time.perf_counter()
+    arrival = await cluster.start_sync(step, keep_in_flight=cfg.train.partial_rollout_enable, background=True)
+
+    async def arrived() -> dict[str, float]:
+        out = await arrival
+        pool.weights_updated()
+        return out | {"weight_sync/total_s": time.perf_counter() - t0}
+    return asyncio.ensure_future(arrived())
+
+
+async def finished(syncing: asyncio.Future | None) -> dict[str, float]:
+    """A weight sync's figures once it is over (none for no sync)."""
+    return {} if syncing is None else await syncing
 
 
 def barren_reason(metrics: dict[str, float], usage: dict[str, float]) -> str:

@@ -94,6 +94,29 @@ def test_async_mode_runs_one_batch_ahead_of_the_batch_in_training():
     assert launched == [0, 1, 2, 3, 4, 5]  # batch 3 waits while batch 1 trains
 
 
+def test_each_weight_sync_releases_the_batch_it_was_trained_on():
+    """The sync after step k may still run while batch k+1 is handed out: each weights_updated releases one
+    batch, the oldest, so batch k+3 does not start under the weights that follow step k."""
+    async def main():
+        p, agent = pool()
+        await p.next_batch(2)  # batch 0 trains (step 1)
+        await asyncio.sleep(0.01)
+        p.weights_updated()  # step 1's weights are there: batch 2 starts
+        await p.next_batch(2)  # batch 1 trains (step 2)
+        await asyncio.sleep(0.01)
+        await p.next_batch(2)  # batch 2 is handed out while step 2's weights are on their way
+        await asyncio.sleep(0.01)
+        before = list(agent.launched)
+        p.weights_updated()  # step 2's weights: batch 3 may start, not batch 4
+        await asyncio.sleep(0.01)
+        after = list(agent.launched)
+        await p.close()
+        return before, after
+
+    before, after = asyncio.run(main())
+    assert before == [0, 1, 2, 3, 4, 5] and after == [0, 1, 2, 3, 4, 5, 6, 7]
+
+
 def test_a_slow_group_is_trained_before_later_ones_that_finished_first():
     """Launch order, not finishing order: taken a step later, a slow group would be a version staler than
     --train.async_queue_size allows."""

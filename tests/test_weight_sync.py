@@ -40,6 +40,36 @@ def test_buckets_round_trip_exactly_with_names_mapped():
     assert stats["weight_sync/buckets"] == 3  # [a], [b], [c, d]
 
 
+def test_a_background_send_returns_with_a_copy_and_the_next_send_waits_for_it():
+    """A model in one bucket: send_weights returns before the receiver has taken anything (the trainer
+    trains meanwhile), what arrives is the weights as they were when it returned, and the next send first
+    waits for that broadcast; a model of several buckets is sent before send_weights returns."""
+    params = [("w", torch.arange(8, dtype=torch.float32)), ("v", torch.ones(3))]
+    port, stats, receiving = free_port(), [], threading.Event()
+
+    def sender():
+        group = open_sync_group("127.0.0.1", port, 0, 2)
+        stats.append(send_weights(iter(params), group, background=True))
+        stats.append(receiving.is_set())  # returned while the receiver had not asked yet
+        params[0][1].mul_(-1)  # the next update changes the weights in place
+        stats.append(send_weights(iter(params), group, background=True))
+        stats.append(send_weights(iter(params), group, bucket_mb=32 / 2**20, background=True))
+        group.wait_sent()
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    group = open_sync_group("127.0.0.1", port, 1, 2)
+    thread.join(timeout=0.5)  # the sender is done with the first send
+    receiving.set()
+    syncs = [[(name, t.clone()) for name, t in receive_weights(group)] for _ in range(3)]
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert stats[1] is False
+    assert [s["weight_sync/background"] for s in (stats[0], stats[2], stats[3])] == [1.0, 1.0, 0.0]
+    assert torch.equal(syncs[0][0][1], torch.arange(8.0)) and torch.equal(syncs[1][0][1], -torch.arange(8.0))
+    assert torch.equal(syncs[2][0][1], -torch.arange(8.0)) and [n for n, _ in syncs[2]] == ["w", "v"]
+
+
 def test_mixed_dtypes_strided_and_cast_tensors_round_trip_twice_through_one_kept_buffer():
     # "a" is 6 bytes: packed unaligned, "b" could not be viewed as float32 on the receiver
     first = [("a", torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16)),

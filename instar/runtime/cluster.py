@@ -11,6 +11,7 @@ import asyncio
 import importlib.util
 import os
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 import ray
@@ -127,8 +128,16 @@ class Cluster:
         """Pause the engines (keeping in-flight requests for partial rollout, else letting them finish
         under the weights they started with), broadcast trainer rank 0's weights to all of them, set their
         version, resume."""
+        return await (await self.start_sync(version, keep_in_flight))
+
+    async def start_sync(self, version: int, keep_in_flight: bool, background: bool = False,
+                         ) -> Coroutine[Any, Any, dict[str, float]]:
+        """`sync_weights` in two halves: this returns once every call of the sync is sent (the trainer's next
+        call runs after its send); await what it returns for the end, when the engines hold the weights.
+        ``background``: the trainer takes its next call as soon as it holds a copy of the weights
+        (`TrainWorker.send_weights`), so it may train while they travel."""
         if not self.engines:
-            return {}
+            return _nothing()
         # Partial rollout keeps in-flight turns (their tokens then span two versions). Otherwise they drain:
         # the embedded engine keeps the new weights aside until they end, so the trainer does not wait;
         # sampling them again instead threw away a third of all sampled tokens (bench/rl_step.py).
@@ -139,11 +148,15 @@ class Cluster:
             await self._open_weight_sync()
         t0 = time.perf_counter()
         # Each engine pauses, receives and resumes in one call: it answers between two of its steps.
-        results = await asyncio.gather(self.trainer.send_weights(),
-                                       *(e.sync_weights.remote(version, mode) for e in self.engines))
-        return results[0] | {"weight_sync/engine_wait_s": max(results[1:]),
-                             "weight_sync/transfer_s": time.perf_counter() - t0,
-                             "faults/engine_restarts": float(self.engine_restarts)}
+        sent = self.trainer.send_weights(background=background)
+        received = [e.sync_weights.remote(version, mode) for e in self.engines]
+
+        async def arrived() -> dict[str, float]:
+            results = await asyncio.gather(sent, *received)
+            return results[0] | {"weight_sync/engine_wait_s": max(results[1:]),
+                                 "weight_sync/transfer_s": time.perf_counter() - t0,
+                                 "faults/engine_restarts": float(self.engine_restarts)}
+        return arrived()
 
     async def restore_engines(self, version: int) -> None:
         """Send the weights now if an engine was restarted: with one engine, nothing is generated until then."""
@@ -167,3 +180,7 @@ class Cluster:
         if self.started_ray:
             ray.shutdown()
 
+
+
+async def _nothing() -> dict[str, float]:
+    return {}

@@ -8,7 +8,8 @@ generated, and a group is trained at most `async_queue_size` policy versions aft
 under (batches are taken in launch order). Counting the batch in training matters: batch k+2 started
 during step k would be sampled under weights one version too old (sampling it again at the sync threw
 away a third of all sampled tokens at async_queue_size 1). Sync mode is the same rule with nothing ahead
-(`batch_size` groups): each batch is sampled by the policy it trains.
+(`batch_size` groups): each batch is sampled by the policy it trains. The weight sync of step k may
+still run while batch k+1 is handed out and trains: both then count until their own `weights_updated`.
 
 A group whose agent runner died (Ray restarts it) is launched again: same prompt, same group id, fresh
 rollouts; a runner Ray no longer restarts stops the run.
@@ -17,6 +18,7 @@ rollouts; a runner Ray no longer restarts stops the run.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -78,7 +80,8 @@ class Pool(Protocol):
         """The next ``n`` finished groups, oldest first."""
 
     def weights_updated(self) -> None:
-        """The engines run the new policy now (in sync mode, generation starts again here)."""
+        """The engines run the policy trained on the oldest batch handed out and not yet followed by its
+        weights (in sync mode, generation starts again here); a batch the loop dropped is released so too."""
 
     def state(self) -> PoolState: ...
 
@@ -106,12 +109,14 @@ class RolloutPool:
         self.agent_restarts = self.requeued_groups = 0
         self.agents_down: set[int] = set()  # died, and no group finished on them since
         self.ahead, self.limit = run_ahead_groups(cfg), in_flight_groups(cfg)
-        self.training = 0  # groups of the last batch handed out, until the engines have its weights
+        # groups of each batch handed out, until the engines have the weights trained on it (the next batch
+        # may be handed out before: the weight sync runs while it trains)
+        self.training: deque[int] = deque()
 
     def fill(self) -> None:
         """Launch groups up to the in-flight and run-ahead limits."""
         while (len(self.in_flight) < self.limit
-               and len(self.in_flight) + len(self.done) + self.training < self.ahead):
+               and len(self.in_flight) + len(self.done) + sum(self.training) < self.ahead):
             self._launch()
 
     def _launch(self) -> None:
@@ -161,9 +166,8 @@ class RolloutPool:
     async def next_batch(self, n: int) -> list[Group]:
         """Wait until the `n` oldest groups (in launch order) have finished and return them; the rest stay for
         the next step. In launch order, not as they finish: a slow group taken one step later would be one
-        version staler than the bound. The previous batch is done with: trained (and `weights_updated`), or
-        dropped by the loop."""
-        self.training = 0
+        version staler than the bound. Batches handed out count against the run-ahead bound until
+        `weights_updated` releases them."""
         self.fill()
         while not self._oldest_done(n):
             if self.error is not None:
@@ -173,7 +177,7 @@ class RolloutPool:
             await asyncio.wait(list(self.in_flight), return_when=asyncio.FIRST_COMPLETED)
         self.done.sort(key=lambda g: g.group_id)
         batch, self.done = self.done[:n], self.done[n:]
-        self.training = len(batch)
+        self.training.append(len(batch))
         return batch
 
     def _oldest_done(self, n: int) -> bool:
@@ -181,7 +185,8 @@ class RolloutPool:
         return len(self.done) >= n and (flying is None or sum(g.group_id < flying for g in self.done) >= n)
 
     def weights_updated(self) -> None:
-        self.training = 0
+        if self.training:
+            self.training.popleft()
         self.fill()
 
     def state(self) -> PoolState:

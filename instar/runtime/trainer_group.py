@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Coroutine
 from typing import Any
 
 import ray
@@ -60,10 +61,15 @@ class TrainerGroup:
         await group._all("init", *[(r, len(ranks), addr, port) for r in range(len(ranks))])
         return group
 
-    async def _all(self, method: str, *per_rank: tuple) -> list[Any]:
-        """Call ``method`` on every rank, rank r with ``per_rank[r]`` (or ``per_rank[0]`` for all)."""
+    def _all(self, method: str, *per_rank: tuple) -> Coroutine[Any, Any, list[Any]]:
+        """Call ``method`` on every rank now, rank r with ``per_rank[r]`` (or ``per_rank[0]`` for all); await
+        the result for their answers. A call made later runs after this one on every rank (Ray keeps a
+        caller's calls to an actor in order)."""
         refs = [getattr(r, method).remote(*(per_rank[i] if len(per_rank) > 1 else per_rank[0] if per_rank else ()))
                 for i, r in enumerate(self.ranks)]
+        return self._gather(refs)
+
+    async def _gather(self, refs: list[Any]) -> list[Any]:
         try:  # all at once: a dead rank leaves the others waiting in a collective (30 min to time out)
             return await asyncio.gather(*(self._one(rank, ref) for rank, ref in enumerate(refs)))
         except BaseException:
@@ -119,9 +125,11 @@ class TrainerGroup:
         """Rank 0 joins the weight-sync group; await it together with the engines joining."""
         await self._all("open_weight_sync", (master_addr, master_port, world_size, device))
 
-    async def send_weights(self, bucket_mb: float = 256.0, dtype: str | None = None) -> dict[str, float]:
-        """Broadcast the policy to the engines (await together with their receive); rank 0's stats."""
-        return (await self._all("send_weights", (bucket_mb, dtype)))[0]
+    def send_weights(self, bucket_mb: float = 256.0, dtype: str | None = None,
+                     background: bool = False) -> Coroutine[Any, Any, dict[str, float]]:
+        """Broadcast the policy to the engines (await together with their receive) for rank 0's stats. Sent
+        at once: the trainer's next call runs after it, ``background`` or not."""
+        return _first(self._all("send_weights", (bucket_mb, dtype, background)))
 
     async def save(self, root: str, extra: dict[str, Any] | None = None, max_num: int = 0) -> str:
         return (await self._all("save", (root, extra, max_num)))[0]
@@ -137,3 +145,7 @@ class TrainerGroup:
             await self._all("shutdown")
         for r in self.ranks:
             ray.kill(r)
+
+
+async def _first(answers: Coroutine[Any, Any, list[Any]]) -> Any:
+    return (await answers)[0]

@@ -12,6 +12,7 @@ to ``engine.update_weights(...)``; it must be consumed to the end, since every s
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -36,6 +37,15 @@ class SyncGroup:
     and syncs. Freed host memory goes back to the OS and faulting fresh memory in costs more than
     broadcasting it; on GPU the caching allocator keeps freed memory anyway, and holding it would
     take it from training."""
+    sending: threading.Thread | None = None  # the sender's background broadcast (`send_weights`), if any
+
+    def wait_sent(self) -> None:
+        """Return once a background broadcast has gone out; raise what it raised."""
+        thread, self.sending = self.sending, None
+        if thread is not None:
+            thread.join()
+            if (error := getattr(thread, "error", None)) is not None:
+                raise error
 
 
 def open_sync_group(master_addr: str, master_port: int, rank: int, world_size: int,
@@ -83,12 +93,17 @@ def _send_bucket(group: SyncGroup, table: list[tuple], flat: Tensor) -> None:
 
 
 def send_weights(named_params: Iterable[tuple[str, Tensor]], group: SyncGroup | None, bucket_mb: float = 256.0,
-                 name_map: Callable[[str], str] = hf_name, dtype: torch.dtype | None = None) -> dict[str, float]:
+                 name_map: Callable[[str], str] = hf_name, dtype: torch.dtype | None = None,
+                 background: bool = False) -> dict[str, float]:
     """Call on every trainer rank (gathering a sharded parameter is collective); only the rank that
     holds ``group`` (trainer rank 0) sends. At most one bucket buffer exists beyond the model (on CPU
     kept in ``group`` for the next sync): each gathered parameter is copied into it and dropped at
     once. ``name_map`` turns trainer names into the engine's; ``dtype`` casts on the way (e.g. to the
-    engine's bfloat16), in the same copy."""
+    engine's bfloat16), in the same copy. ``background``: when the whole model fits one bucket of a
+    CPU group, return once it is copied and broadcast it from a thread (the trainer computes meanwhile;
+    the copy is the policy of this moment); the next send, or ``group.wait_sent()``, waits for it."""
+    if group is not None:
+        group.wait_sent()  # the previous background broadcast: its buffer is about to be reused
     start, sent, buckets = time.perf_counter(), 0, 0
     cap = int(bucket_mb * 2**20)
     table: list[tuple] = []
@@ -118,13 +133,31 @@ def send_weights(named_params: Iterable[tuple[str, Tensor]], group: SyncGroup | 
         del full
     if group is None:
         return {}
-    if table:
-        _send_bucket(group, table, buffer[:used])
-        buckets += 1
-    _broadcast(group, torch.zeros(2, dtype=torch.int64, device=group.device))  # end of stream
+    stats = {"weight_sync/bytes": float(sent), "weight_sync/buckets": float(buckets + bool(table))}
+
+    def finish() -> None:
+        if table:
+            _send_bucket(group, table, buffer[:used])
+        _broadcast(group, torch.zeros(2, dtype=torch.int64, device=group.device))  # end of stream
+
+    if background and buckets == 0 and group.device == "cpu":
+        group.sending = threading.Thread(target=_recording(finish), name="weight-sync", daemon=True)
+        group.sending.start()
+        return stats | {"weight_sync/seconds": time.perf_counter() - start, "weight_sync/background": 1.0}
+    finish()
     seconds = time.perf_counter() - start
-    return {"weight_sync/bytes": float(sent), "weight_sync/buckets": float(buckets),
-            "weight_sync/seconds": seconds, "weight_sync/mb_per_s": sent / 2**20 / max(seconds, 1e-9)}
+    return stats | {"weight_sync/seconds": seconds, "weight_sync/mb_per_s": sent / 2**20 / max(seconds, 1e-9),
+                    "weight_sync/background": 0.0}
+
+
+def _recording(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` for a thread: what it raises is kept on the thread for `SyncGroup.wait_sent`."""
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as error:  # noqa: BLE001 - handed to the joining thread
+            threading.current_thread().error = error
+    return run
 
 
 def receive_weights(group: SyncGroup, reuse_buffer: bool = False) -> Iterator[tuple[str, Tensor]]:

@@ -8,6 +8,7 @@ tests drive it from plain processes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -313,14 +314,20 @@ class TrainWorker:
         """Trainer rank 0 joins (and hosts) the weight-sync group as its rank 0; other ranks do nothing.
         ``device``: "cuda" (NCCL, default on GPU) or "cpu" (gloo: CPU, or engines sharing the GPU)."""
         if self.rank == 0:
+            if self.sync_group is not None:  # a new group because an engine restarted: the old one is done
+                with contextlib.suppress(Exception):  # its last broadcast may have failed with that engine
+                    self.sync_group.wait_sent()
             self.sync_group = weight_sync.open_sync_group(master_addr, master_port, 0, world_size,
                                                           device or self.device)
 
-    def send_weights(self, bucket_mb: float = 256.0, dtype: str | None = None) -> dict[str, float]:
+    def send_weights(self, bucket_mb: float = 256.0, dtype: str | None = None,
+                     background: bool = False) -> dict[str, float]:
         """Broadcast the policy's full weights (HF names) to the engines; collective over trainer ranks.
-        Pausing the engines and bumping their version is the caller's side of the protocol."""
+        Pausing the engines and bumping their version is the caller's side of the protocol.
+        ``background``: see `weight_sync.send_weights` (the next call here may start meanwhile)."""
         cast = getattr(torch, dtype) if dtype else None
-        return weight_sync.send_weights(self.policy.named_parameters(), self.sync_group, bucket_mb, dtype=cast)
+        return weight_sync.send_weights(self.policy.named_parameters(), self.sync_group, bucket_mb, dtype=cast,
+                                        background=background)
 
     def save(self, root: str, extra: dict[str, Any] | None = None, max_num: int = 0) -> str:
         meta = {"scheduler": self.scheduler.state_dict(), "policy_step": self.step, "extra": extra or {}}
