@@ -72,7 +72,8 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
     async with Cluster(cfg) as cluster:
         step, pool_state = await resume(cfg, cluster, stream, kl)
         pool: Pool = (ReplayPool(cfg.train.rollout_replay_dir, step) if cfg.train.rollout_replay_dir
-                      else RolloutPool(cluster.agents, stream, cfg, sampling, pool_state))
+                      else RolloutPool(cluster.agents, stream, cfg, sampling, pool_state,
+                                       cluster.generation and cluster.generation.set))
         usage = Usage(cluster.agents, cluster.engines)
         logger = run_dir.MetricsLogger(out, cfg.log, cfg.train.max_steps, step, asdict(cfg))
         logger.truncate_after(step if step else -1)  # a run resumed at 0 evaluates step 0 again

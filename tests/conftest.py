@@ -61,3 +61,16 @@ def clusters(monkeypatch):
 def tiny_vlm_dir(tmp_path_factory):
     """A tiny Qwen3-VL (one vision block, one deepstack level) with its image processor."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_vlm"), TinySpec(vlm=True))
+
+
+@pytest.fixture
+def ray_cluster():
+    """A local Ray instance for the test, shut down whatever happens."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    try:
+        yield
+    finally:
+        ray.shutdown()

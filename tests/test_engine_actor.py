@@ -4,23 +4,11 @@ back each to its caller, equal to the engine's own answers; a caller that goes a
 import asyncio
 
 import pytest
-import ray
 
 from instar.config import EngineConfig
 from instar.contract import SamplingParams
 from instar.engines import EmbeddedEngine
 from instar.runtime.engines import EngineActor, RemoteEngine
-
-
-@pytest.fixture
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
 
 PROMPTS = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 

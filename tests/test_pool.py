@@ -34,12 +34,12 @@ class FakeAgent:
                 for t in tasks]
 
 
-def pool(state=None, sync=False, deaths=()):
+def pool(state=None, sync=False, deaths=(), generating=None):
     cfg = RLConfig()
     cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.train.force_sync_mode = 2, 2, sync
     stream = PromptStream([Prompt(i, [{"role": "user", "content": str(i)}]) for i in range(8)])
     agent = FakeAgent(deaths)
-    return RolloutPool([agent], stream, cfg, SamplingParams(), state), agent
+    return RolloutPool([agent], stream, cfg, SamplingParams(), state, generating), agent
 
 
 def test_a_resumed_pool_hands_out_the_saved_groups_first_and_continues_the_ids():
@@ -115,6 +115,33 @@ def test_each_weight_sync_releases_the_batch_it_was_trained_on():
 
     before, after = asyncio.run(main())
     assert before == [0, 1, 2, 3, 4, 5] and after == [0, 1, 2, 3, 4, 5, 6, 7]
+
+
+def test_the_pool_says_when_generation_runs():
+    """Generating: groups in flight, or a batch handed out before the last one's weights arrived (their
+    arrival launches more). The trainer computes with every core only in between."""
+    told: list[bool] = []
+
+    async def main():
+        p, _ = pool(generating=told.append)
+        await p.next_batch(2)  # batch 0 trains; batch 1 runs and finishes meanwhile
+        await asyncio.sleep(0.01)
+        seen = [list(told)]
+        p.weights_updated()  # batch 2 starts, and finishes
+        await asyncio.sleep(0.01)
+        await p.next_batch(2)  # batch 1 trains
+        await asyncio.sleep(0.01)
+        await p.next_batch(2)  # batch 2 handed out while step 2's weights travel: more will start
+        seen.append(list(told))
+        p.weights_updated()  # batch 3 starts
+        await asyncio.sleep(0.01)
+        await p.close()
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[0] == [True, False]
+    assert seen[1] == [True, False, True, False, True]
+    assert told == [True, False, True, False, True, False]
 
 
 def test_a_slow_group_is_trained_before_later_ones_that_finished_first():

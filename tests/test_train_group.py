@@ -4,7 +4,6 @@ import asyncio
 from functools import partial
 
 import pytest
-import ray
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -14,16 +13,6 @@ from instar.runtime.batching import rl_loss
 from instar.runtime.trainer_group import TrainerGroup
 from instar.train import checkpoint
 from instar.train.batch import StepInputs
-
-
-@pytest.fixture
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def _sample(n: int, seed: int) -> Sample:
@@ -61,3 +50,30 @@ def test_two_rank_ray_group(ray_cluster, tiny_model_dir, tmp_path):
     assert extra == {"data_position": 5} and checkpoint.latest(str(tmp_path)) == path
     assert sorted(p.name for p in (tmp_path / "step_1").iterdir() if p.name.startswith("rng")) == [
         "rng_rank0.pt", "rng_rank1.pt"]
+
+
+def test_a_rank_beside_the_engines_computes_with_every_core_while_nothing_generates(tiny_model_dir):
+    """The rank reads the driver's GenerationFlag before each micro-batch: its share of the cores while
+    rollouts generate (engines and trainer compute at once), the node's cores split among the trainer
+    ranks only while they do not."""
+    from instar.runtime.trainer_group import _Rank
+    from instar.train.launch import GenerationFlag, cpu_threads, free_port
+
+    flag = GenerationFlag()
+    rank = _Rank(ActorConfig(model_name_or_path=str(tiny_model_dir)), FSDPConfig(num_ranks=1),
+                 TrainConfig(max_tokens_per_gpu=16), cpu_share=2, idle_share=1, generation=flag.path)
+    try:
+        rank.init(0, 1, "127.0.0.1", free_port())
+        samples = [_sample(n, i) for i, n in enumerate([9, 4, 12, 6, 5])]  # 3 micro-batches of <= 16 tokens
+        flag.set(True)
+        rank.compute_logprobs(samples)
+        busy = list(rank.threads_used)
+        rank.threads_used.clear()
+        flag.set(False)
+        rank.compute_logprobs(samples)
+        idle = list(rank.threads_used)
+    finally:
+        rank.shutdown()
+        flag.close()
+        torch.set_num_threads(1)
+    assert busy == [cpu_threads(2)] * 3 and idle == [cpu_threads(1)] * 3

@@ -23,6 +23,7 @@ from instar.runtime.agents import AgentActor
 from instar.runtime.engines import ENGINE_MAX_RESTARTS, EngineActor
 from instar.runtime.placement import nodes, plan, ray_options
 from instar.runtime.trainer_group import TrainerGroup
+from instar.train.launch import GenerationFlag
 
 CLOSE_TIMEOUT_S = 10.0
 """How long the agent runners and engines get to close before they are killed."""
@@ -37,6 +38,7 @@ class Cluster:
         self.has_critic = adv.estimator == "gae"
         self.started_ray = False
         self.engine_restarts = 0  # seen at weight syncs, counted in their metrics
+        self.generation: GenerationFlag | None = None  # set while rollouts generate, for trainer ranks beside them
 
     async def __aenter__(self) -> Cluster:
         self.engines, self.agents, self.trainer = [], [], None
@@ -97,9 +99,13 @@ class Cluster:
             for _ in range(cfg.rollout.num_agent_runners)]
         if not self.train:
             return self
+        if where.layout == "colocated" and not gpu and self.engines and not cfg.train.force_sync_mode:
+            # the trainer ranks share the cores with generation only while it runs (async mode: a batch
+            # generated ahead may finish before the update of a long one does)
+            self.generation = GenerationFlag()
         self.trainer = await TrainerGroup.start(cfg, ref_path=(cfg.actor.ref_model_name_or_path or model)
                                                 if self.has_ref else None, critic=self.has_critic,
-                                                slots=where.ranks)
+                                                slots=where.ranks, generation=self.generation and self.generation.path)
         if self.engines:
             await self._open_weight_sync()
         return self
@@ -179,6 +185,8 @@ class Cluster:
             await self.trainer.shutdown()
         if self.started_ray:
             ray.shutdown()
+        if self.generation is not None:
+            self.generation.close()
 
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -98,9 +99,13 @@ for a while is not asked in a tight loop."""
 
 class RolloutPool:
     def __init__(self, agents: list[Any], stream: PromptStream, cfg: RLConfig, sampling: SamplingParams,
-                 state: PoolState | None = None):
-        """``state``: what a checkpoint kept (`state`); its pending groups are handed out first."""
+                 state: PoolState | None = None, generating: Callable[[bool], None] | None = None):
+        """``state``: what a checkpoint kept (`state`); its pending groups are handed out first.
+        ``generating`` is told whenever generation starts or stops: it runs while groups are in flight, or
+        when a weight sync under way will launch more (a batch was handed out before the last one's
+        weights arrived)."""
         self.agents, self.stream, self.cfg, self.sampling = agents, stream, cfg, sampling
+        self.generating, self.told = generating, False
         state = state or PoolState()
         self.done: list[Group] = list(state.pending)
         self.next_group_id = state.next_group_id
@@ -130,6 +135,7 @@ class RolloutPool:
         task = asyncio.ensure_future(self._run(self.agents[agent], tasks, RELAUNCH_DELAY_S if relaunch else 0.0))
         self.in_flight[task] = (group, tasks, agent, relaunch)
         task.add_done_callback(self._finished)
+        self._tell()
 
     @staticmethod
     async def _run(agent: Any, tasks: list[Task], delay: float) -> list[Trajectory]:
@@ -138,6 +144,7 @@ class RolloutPool:
 
     def _finished(self, task: asyncio.Task) -> None:
         group, tasks, agent, relaunched = self.in_flight.pop(task)
+        self._tell()
         if task.cancelled():
             return
         error = task.exception()
@@ -178,6 +185,7 @@ class RolloutPool:
         self.done.sort(key=lambda g: g.group_id)
         batch, self.done = self.done[:n], self.done[n:]
         self.training.append(len(batch))
+        self._tell()
         return batch
 
     def _oldest_done(self, n: int) -> bool:
@@ -188,6 +196,13 @@ class RolloutPool:
         if self.training:
             self.training.popleft()
         self.fill()
+        self._tell()
+
+    def _tell(self) -> None:
+        now = bool(self.in_flight) or len(self.training) > 1
+        if self.generating is not None and now != self.told:
+            self.told = now
+            self.generating(now)
 
     def state(self) -> PoolState:
         """Saved with checkpoints, so no finished group is lost and no group id is used twice."""

@@ -21,14 +21,21 @@ from instar.contract import Sample
 from instar.runtime.placement import Slot, nodes, plan, ray_options
 from instar.train import checkpoint
 from instar.train.batch import StepInputs, identity, shard_samples
-from instar.train.launch import cpu_threads, free_port
+from instar.train.launch import GenerationFlag, cpu_threads, free_port
 from instar.train.worker import LossFn, TrainStats, TrainWorker, ValueLossFn
 
 
 class _Rank(TrainWorker):
-    def __init__(self, *args: Any, cpu_share: int = 1, **kwargs: Any) -> None:
-        torch.set_num_threads(cpu_threads(cpu_share))  # see Cluster: how many processes compute at once
+    def __init__(self, *args: Any, cpu_share: int = 1, idle_share: int | None = None,
+                 generation: str | None = None, **kwargs: Any) -> None:
+        """``cpu_share``: how many processes compute at once on this node (see Cluster); with ``generation``
+        (a `GenerationFlag`'s path) only while it is set, and ``idle_share`` of them otherwise."""
+        self.busy_threads = cpu_threads(cpu_share)
+        torch.set_num_threads(self.busy_threads)
         super().__init__(*args, **kwargs)
+        if generation is not None and idle_share is not None:
+            flag, idle = GenerationFlag(generation), cpu_threads(idle_share)
+            self.before_micro_batch = lambda: _use_threads(self.busy_threads if flag.is_set() else idle)
 
     def address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), free_port()
@@ -44,16 +51,19 @@ class TrainerGroup:
 
     @classmethod
     async def start(cls, cfg: RLConfig | SFTConfig, ref_path: str | None = None, critic: bool = False,
-                    slots: list[Slot] | None = None) -> TrainerGroup:
+                    slots: list[Slot] | None = None, generation: str | None = None) -> TrainerGroup:
         """Start ``--fsdp.num_ranks`` actors (one GPU each when the cluster has GPUs), join them into
         one process group rooted at rank 0's node, load and shard the models. Each rank computes with
         the cores of its node divided by its slot's ``cpu_share``. ``slots``: where each rank runs (the
-        cluster's placement; by default the trainer alone, from the driver's node on)."""
+        cluster's placement; by default the trainer alone, from the driver's node on). ``generation``: a
+        `GenerationFlag` on the ranks' node; while it is unset the ranks share the node's cores among
+        themselves only."""
         slots = slots or plan(nodes(), 0, 0, cfg.fsdp.num_ranks).ranks
         actor = ray.remote(_Rank)
         critic_cfg = getattr(cfg, "critic", None) if critic else None
-        ranks = [actor.options(**ray_options(s)).remote(cfg.actor, cfg.fsdp, cfg.train, critic_cfg, ref_path,
-                                                        cpu_share=s.cpu_share) for s in slots]
+        ranks = [actor.options(**ray_options(s)).remote(
+            cfg.actor, cfg.fsdp, cfg.train, critic_cfg, ref_path, cpu_share=s.cpu_share,
+            idle_share=sum(o.node_id == s.node_id for o in slots), generation=generation) for s in slots]
         addr, port = await ranks[0].address.remote()
         group = cls(ranks, os.path.join(cfg.ckpt.output_dir, "checkpoints"))
         group.data_size = cfg.fsdp.data_size
@@ -149,3 +159,8 @@ class TrainerGroup:
 
 async def _first(answers: Coroutine[Any, Any, list[Any]]) -> Any:
     return (await answers)[0]
+
+
+def _use_threads(n: int) -> None:
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)

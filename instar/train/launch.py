@@ -22,6 +22,36 @@ def cpu_threads(share: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // max(1, share))
 
 
+class GenerationFlag:
+    """Whether rollouts are being generated now, for trainer ranks that share a node's cores with the
+    engines and agent runners: the driver sets it as generation starts and stops (`RolloutPool`), each
+    rank reads it before each micro-batch and computes with the cores left to it then. In async mode a
+    batch generated ahead finishes before the update of a large one does; the rest of the update then
+    has every core. One byte in a file on the node (shared memory where there is some)."""
+
+    def __init__(self, path: str | None = None):
+        """A new flag (``path`` None: the driver's, unset), or the one at ``path`` (a rank's)."""
+        self.owner = path is None
+        if path is None:
+            fd, path = tempfile.mkstemp(prefix="instar-generating-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                        else None)
+            os.pwrite(fd, b"0", 0)
+        else:
+            fd = os.open(path, os.O_RDWR)
+        self.path, self.fd = path, fd
+
+    def set(self, generating: bool) -> None:
+        os.pwrite(self.fd, b"1" if generating else b"0", 0)
+
+    def is_set(self) -> bool:
+        return os.pread(self.fd, 1, 0) == b"1"
+
+    def close(self) -> None:
+        os.close(self.fd)
+        if self.owner:
+            os.unlink(self.path)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

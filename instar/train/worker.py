@@ -74,6 +74,8 @@ class TrainWorker:
         self.actor, self.fsdp, self.train, self.critic_cfg, self.ref_path = actor, fsdp, train, critic, ref_path
         self.step = 0
         self.sync_group: weight_sync.SyncGroup | None = None
+        self.before_micro_batch: Callable[[], None] | None = None  # e.g. picks the compute threads (trainer_group)
+        self.threads_used: list[int] = []  # compute threads of each micro-batch since the last update's metrics
 
     def init(self, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
         """Join the process group, load and shard the models, build optimizers."""
@@ -127,6 +129,9 @@ class TrainWorker:
             raise ValueError(f"trainer rank {self.rank} got no samples; give every rank at least one")
         count = int(all_reduce([len(plan)], op="max")[0])
         for k in range(count):
+            if self.before_micro_batch is not None:
+                self.before_micro_batch()
+            self.threads_used.append(torch.get_num_threads())
             mb = collate(samples, plan[min(k, len(plan) - 1)], inputs, self.device, indices, self.share_prefix)
             yield mb, k >= len(plan)
 
@@ -270,6 +275,7 @@ class TrainWorker:
     def _updates(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, samples: list[Sample],
                  inputs: StepInputs, updates: list[list[int]], loss_of: Callable, prefix: str,
                  after_first: Callable[[], None] | None = None) -> TrainStats:
+        self.threads_used.clear()
         start, clip = time.perf_counter(), self.actor.max_grad_norm if self.actor.max_grad_norm > 0 else float("inf")
         lr = optimizer.param_groups[0]["lr"]
         per_update: list[dict[str, float]] = []
@@ -305,7 +311,8 @@ class TrainWorker:
         out.update({f"{prefix}/lr": lr, f"{prefix}/updates": float(len(updates)),
                     f"{prefix}/samples": float(len(samples)),
                     f"{prefix}/action_tokens": float(sum(s.num_actions for s in samples)),
-                    f"{prefix}/step_time": time.perf_counter() - start})
+                    f"{prefix}/step_time": time.perf_counter() - start,
+                    f"{prefix}/threads": sum(self.threads_used) / len(self.threads_used)})
         return TrainStats(out, ref_kl=mean.get("ref_kl"))
 
     # ---- weight sync, checkpoints, export --------------------------------------------------------
