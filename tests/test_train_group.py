@@ -53,9 +53,9 @@ def test_two_rank_ray_group(ray_cluster, tiny_model_dir, tmp_path):
 
 
 def test_a_rank_beside_the_engines_computes_with_every_core_while_nothing_generates(tiny_model_dir):
-    """The rank reads the driver's GenerationFlag before each micro-batch: its share of the cores while
-    rollouts generate (engines and trainer compute at once), the node's cores split among the trainer
-    ranks only while they do not."""
+    """The rank reads the driver's GenerationFlag before each micro-batch and after each layer: its share of
+    the cores while rollouts generate (engines and trainer compute at once), the node's cores split among
+    the trainer ranks only while they do not; in backward too, when it reaches each layer."""
     from instar.runtime.trainer_group import _Rank
     from instar.train.launch import GenerationFlag, cpu_threads, free_port
 
@@ -72,8 +72,13 @@ def test_a_rank_beside_the_engines_computes_with_every_core_while_nothing_genera
         flag.set(False)
         rank.compute_logprobs(samples)
         idle = list(rank.threads_used)
+        rank.train_step(samples[:2], partial(rl_loss, RLConfig(), 0.0),
+                        StepInputs(advantages=[torch.ones(len(s.token_ids)) for s in samples[:2]]))
+        trained = list(rank.threads_used)
     finally:
         rank.shutdown()
         flag.close()
         torch.set_num_threads(1)
-    assert busy == [cpu_threads(2)] * 3 and idle == [cpu_threads(1)] * 3
+    # each micro-batch's start and each of its layers (no backward, so no gradient hooks: 3 x (1 + 2));
+    # one training micro-batch: its start, 2 layers forward, 2 backward
+    assert busy == [cpu_threads(2)] * 9 and idle == [cpu_threads(1)] * 9 and trained == [cpu_threads(1)] * 5

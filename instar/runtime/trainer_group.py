@@ -22,6 +22,7 @@ from instar.runtime.placement import Slot, nodes, plan, ray_options
 from instar.train import checkpoint
 from instar.train.batch import StepInputs, identity, shard_samples
 from instar.train.launch import GenerationFlag, cpu_threads, free_port
+from instar.train.model import decoder_layers
 from instar.train.worker import LossFn, TrainStats, TrainWorker, ValueLossFn
 
 
@@ -33,9 +34,29 @@ class _Rank(TrainWorker):
         self.busy_threads = cpu_threads(cpu_share)
         torch.set_num_threads(self.busy_threads)
         super().__init__(*args, **kwargs)
-        if generation is not None and idle_share is not None:
-            flag, idle = GenerationFlag(generation), cpu_threads(idle_share)
-            self.before_micro_batch = lambda: _use_threads(self.busy_threads if flag.is_set() else idle)
+        self.flag = None if generation is None or idle_share is None else GenerationFlag(generation)
+        self.idle_threads = cpu_threads(idle_share or cpu_share)
+        if self.flag is not None:
+            self.before_micro_batch = self._pick_threads
+
+    def init(self, *args: Any) -> None:
+        super().init(*args)
+        if self.flag is not None:  # look again at every layer, forward and backward: an update may be long
+            for model in (self.policy, self.ref, self.critic):
+                for layer in decoder_layers(model) if model is not None else []:
+                    layer.register_forward_hook(self._after_layer)
+
+    def _pick_threads(self) -> None:
+        n = self.busy_threads if self.flag.is_set() else self.idle_threads
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+
+    def _after_layer(self, module: Any, args: Any, output: Any) -> None:
+        self._pick_threads()
+        self.threads_used.append(torch.get_num_threads())
+        out = output[0] if isinstance(output, tuple) else output
+        if isinstance(out, Tensor) and out.requires_grad:  # and when backward reaches this layer
+            out.register_hook(lambda grad: self._after_layer(module, args, None))
 
     def address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), free_port()
@@ -159,8 +180,3 @@ class TrainerGroup:
 
 async def _first(answers: Coroutine[Any, Any, list[Any]]) -> Any:
     return (await answers)[0]
-
-
-def _use_threads(n: int) -> None:
-    if torch.get_num_threads() != n:
-        torch.set_num_threads(n)
