@@ -94,7 +94,7 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
             mark(stream, out, step + 1, rejected, "filtered")
             if not kept:  # everything filtered or dropped: nothing to learn from, draw again
                 barren += 1
-                metrics |= await finished(syncing)
+                await finished(syncing)  # before another sync; no row is logged for a dropped batch
                 syncing = None
                 pool.weights_updated()  # the dropped batch no longer holds generation back
                 await cluster.restore_engines(step)  # a restarted sole engine serves only once it has weights
