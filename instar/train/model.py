@@ -227,7 +227,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     names: set[str] = set()
     for m in model.modules():
         names.update(getattr(m, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    # by class, or by a base class: FSDP2 swaps in a subclass (FSDPQwen3DecoderLayer)
+    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not layers:
         raise ValueError(f"found no decoder layers in {type(model).__name__} (no _no_split_modules classes); "
                          "only HF transformers models are supported")
