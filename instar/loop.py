@@ -117,10 +117,11 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
             t_logp = time.perf_counter()
             adv, returns, adv_metrics = batching.advantages(cfg, rows, old, ref, values, kl.value)
             updates = batching.mini_batches(rows, cfg, step)
+            idle = batching.forward_only(cfg, rows.samples, adv, kl.value)
             stats = await cluster.trainer.train_policy(
                 rows.samples, partial(batching.rl_loss, cfg, kl.value),
-                StepInputs(advantages=adv, old_logprobs=old, ref_logprobs=ref), temp, updates)
-            metrics |= stats.metrics
+                StepInputs(advantages=adv, old_logprobs=old, ref_logprobs=ref), temp, updates, idle)
+            metrics |= stats.metrics | {"actor/forward_only": len(idle) / len(rows.samples)}
             if values is not None:
                 critic = await cluster.trainer.train_critic(rows.samples, partial(batching.critic_loss, cfg),
                                                             StepInputs(old_values=values, returns=returns), updates)

@@ -118,6 +118,16 @@ def mini_batches(rows: Rows, cfg: RLConfig, step: int) -> list[list[int]]:
     return out
 
 
+def forward_only(cfg: RLConfig, samples: list[Sample], advantages: list[Tensor], kl_coef: float) -> list[int]:
+    """Rows whose policy loss has no gradient: a zero advantage on every action token (a group whose
+    rewards are all equal, under GRPO) and no entropy bonus or KL term in the loss. The trainer runs
+    them forward only (their metrics and old logprobs), which leaves the update as it was."""
+    if cfg.actor.entropy_coef != 0 or (cfg.algo.kl.use_in == "loss" and kl_coef > 0):
+        return []
+    return [i for i, (s, a) in enumerate(zip(samples, advantages))
+            if not a[torch.tensor(s.action_mask, dtype=torch.bool)].any()]
+
+
 def rl_loss(cfg: RLConfig, kl_coef: float, logprobs: Tensor, entropy: Tensor, x: LossInputs) -> tuple[Tensor, dict]:
     """The trainer's per-micro-batch loss (see `instar.train.worker.LossFn`)."""
     return policy_loss(cfg, logprobs, x.old_logprobs, x.rollout_logprobs, x.advantages, x.action_mask,

@@ -140,11 +140,12 @@ class TrainerGroup:
         return await self._per_sample("compute_values", samples)
 
     async def train_policy(self, samples: list[Sample], loss_fn: LossFn, inputs: StepInputs | None = None,
-                           temperature: float = 1.0, updates: list[list[int]] | None = None) -> TrainStats:
+                           temperature: float = 1.0, updates: list[list[int]] | None = None,
+                           forward_only: list[int] | None = None) -> TrainStats:
         """The policy's updates on this batch (see ``TrainWorker.train_policy``); the batch is stored once
         in the object store and every rank reads it (Ray resolves a reference passed as an argument); the
         metrics are global (rank 0's copy)."""
-        shared = (ray.put(samples), loss_fn, ray.put(inputs or StepInputs()), temperature, updates)
+        shared = (ray.put(samples), loss_fn, ray.put(inputs or StepInputs()), temperature, updates, forward_only)
         return (await self._all("train_policy", shared))[0]
 
     async def train_critic(self, samples: list[Sample], loss_fn: ValueLossFn, inputs: StepInputs,

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
 from instar.config import ActorConfig, CriticConfig, FSDPConfig, TrainConfig
 from instar.contract import Sample
@@ -119,21 +120,31 @@ class TrainWorker:
     # ---- forward passes -------------------------------------------------------------------------
 
     def _micro_batches(self, samples: list[Sample], inputs: StepInputs | None = None,
-                       indices: list[int] | None = None) -> Iterator[tuple[MicroBatch, bool]]:
-        """Packed micro-batches, padded with repeats (flagged ``True``) to the largest count on any
-        rank: FSDP gathers parameters collectively, so every rank must run as many passes. ``indices``
-        name the samples in the lists of ``inputs`` (default: their position)."""
-        plan = plan_micro_batches([len(s.token_ids) for s in samples], self.train.max_tokens_per_gpu,
-                                  [identity(s) for s in samples] if self.share_prefix else None)
-        if not plan:
+                       indices: list[int] | None = None, forward_only: set[int] | frozenset = frozenset(),
+                       ) -> Iterator[tuple[MicroBatch, bool, bool]]:
+        """Packed micro-batches as ``(micro_batch, repeat, backward)``: those of the samples in
+        ``forward_only`` (positions in ``samples``) first, then those that need a backward (a forward
+        without gradient after a backward loses FSDP2's root gradients). Each kind is padded with repeats
+        (``repeat`` True) to the largest count on any rank: FSDP gathers parameters (and reduces
+        gradients) collectively, so every rank must run as many passes of each kind. ``indices`` name
+        the samples in the lists of ``inputs`` (default: their position)."""
+        kinds = []
+        for backward in (False, True):
+            part = [k for k in range(len(samples)) if (k in forward_only) != backward]
+            plan = plan_micro_batches([len(samples[k].token_ids) for k in part], self.train.max_tokens_per_gpu,
+                                      [identity(samples[k]) for k in part] if self.share_prefix else None)
+            kinds.append([[part[j] for j in bin_] for bin_ in plan])
+        if not any(kinds):
             raise ValueError(f"trainer rank {self.rank} got no samples; give every rank at least one")
-        count = int(all_reduce([len(plan)], op="max")[0])
-        for k in range(count):
-            if self.before_micro_batch is not None:
-                self.before_micro_batch()
-            self.threads_used.append(torch.get_num_threads())
-            mb = collate(samples, plan[min(k, len(plan) - 1)], inputs, self.device, indices, self.share_prefix)
-            yield mb, k >= len(plan)
+        counts = [int(c) for c in all_reduce([len(plan) for plan in kinds], op="max")]
+        for plan, count, backward in zip(kinds, counts, (False, True)):
+            spare = plan or kinds[0] or kinds[1]  # a rank with none of this kind repeats another pass
+            for k in range(count):
+                if self.before_micro_batch is not None:
+                    self.before_micro_batch()
+                self.threads_used.append(torch.get_num_threads())
+                mb = collate(samples, spare[min(k, len(spare) - 1)], inputs, self.device, indices, self.share_prefix)
+                yield mb, k >= len(plan), backward
 
     def _replay(self, model: nn.Module, mb: MicroBatch):
         if not self.train.routing_replay or model is not self.policy:
@@ -186,7 +197,7 @@ class TrainWorker:
             raise ValueError("no reference model loaded; start the trainer with a ref_path "
                              "(--algo.kl.coef > 0 or on_policy_distill)")
         out: list[Tensor] = [torch.empty(0)] * len(samples)
-        for mb, repeat in self._micro_batches(samples, None):
+        for mb, repeat, _ in self._micro_batches(samples, None):
             with self._replay(net, mb):
                 logp, _ = self._row_logprobs(net, mb, temperature, mb.valid, with_entropy=False)
             if not repeat:
@@ -198,7 +209,7 @@ class TrainWorker:
     def compute_values(self, samples: list[Sample]) -> list[Tensor]:
         """Critic values per sample, aligned like logprobs: index t is V(tokens before t)."""
         out: list[Tensor] = [torch.empty(0)] * len(samples)
-        for mb, repeat in self._micro_batches(samples, None):
+        for mb, repeat, _ in self._micro_batches(samples, None):
             values = self._row_values(mb)
             if not repeat:
                 for i, v in zip(mb.indices, mb.split(mb.unpack(values))):
@@ -208,10 +219,13 @@ class TrainWorker:
     # ---- optimizer steps ------------------------------------------------------------------------
 
     def train_policy(self, samples: list[Sample], loss_fn: LossFn, inputs: StepInputs | None = None,
-                     temperature: float = 1.0, updates: list[list[int]] | None = None) -> TrainStats:
+                     temperature: float = 1.0, updates: list[list[int]] | None = None,
+                     forward_only: list[int] | None = None) -> TrainStats:
         """Optimizer updates of the policy, one per entry of ``updates`` (index lists into ``samples``;
         default: one update over all of them). ``samples`` and ``inputs`` are the whole batch, the same on
-        every rank; each rank takes its token-balanced share of each update.
+        every rank; each rank takes its token-balanced share of each update. ``forward_only``: samples
+        whose loss has no gradient (zero advantage and no other term): they run a forward pass for the
+        metrics and old logprobs but no backward, which leaves the update exactly as it was.
 
         "Old" logprobs (the policy before the first update, the denominator of the PPO ratio) come from
         ``inputs.old_logprobs`` when given. Otherwise the first update uses its own forward, detached
@@ -242,7 +256,7 @@ class TrainWorker:
                     for i, lp in part.items():
                         old[i] = lp
         return self._updates(self.policy, self.optimizer, self.scheduler, samples, inputs, updates, loss_of, "actor",
-                             after_first_update)
+                             after_first_update, set(forward_only or ()))
 
     def train_step(self, samples: list[Sample], loss_fn: LossFn, inputs: StepInputs | None = None,
                    temperature: float = 1.0) -> dict[str, float]:
@@ -274,7 +288,8 @@ class TrainWorker:
 
     def _updates(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, samples: list[Sample],
                  inputs: StepInputs, updates: list[list[int]], loss_of: Callable, prefix: str,
-                 after_first: Callable[[], None] | None = None) -> TrainStats:
+                 after_first: Callable[[], None] | None = None, forward_only: set[int] | frozenset = frozenset(),
+                 ) -> TrainStats:
         self.threads_used.clear()
         start, clip = time.perf_counter(), self.actor.max_grad_norm if self.actor.max_grad_norm > 0 else float("inf")
         lr = optimizer.param_groups[0]["lr"]
@@ -284,19 +299,28 @@ class TrainWorker:
             global_tokens = sum(samples[i].num_actions for i in update)
             optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
-            for mb, repeat in self._micro_batches([samples[i] for i in mine], inputs, mine):
+            passes = self._micro_batches([samples[i] for i in mine], inputs, mine,
+                                         {k for k, i in enumerate(mine) if i in forward_only})
+            for mb, repeat, backward in passes:
                 mb.inputs.global_num_action_tokens = torch.tensor(global_tokens, device=self.device)
-                with self._replay(model, mb):
+                with self._replay(model, mb), torch.set_grad_enabled(backward):
                     loss, metrics = loss_of(mb)
                     # FSDP averages gradients over the ranks it shards over, but each rank's loss is already
                     # its share of the global token sum: scale so the reduced gradient is the global mean's.
                     # (cp ranks share one loss, each backpropagating it through its own chunk: `SumOverChunks`.)
-                    (loss * (0.0 if repeat else float(self.layout.shard_size))).backward()
+                    if backward:
+                        (loss * (0.0 if repeat else float(self.layout.shard_size))).backward()
                 if not repeat:
                     sums["micro_batches"] = sums.get("micro_batches", 0.0) + 1
                     for k, v in {"loss": loss, **metrics}.items():
                         sums[k] = sums.get(k, 0.0) + float(v.detach() if isinstance(v, Tensor) else v)
-            grad_norm = clip_grad_norm([p for p in model.parameters() if p.requires_grad], clip)
+            if isinstance(model, FSDPModule):  # after a forward without backward the root keeps its gathered
+                model.reshard()  # weights, which the step would leave stale for the next forward
+            trained = [p for p in model.parameters() if p.requires_grad]
+            if all(p.grad is None for p in trained):  # every pass was forward only: the gradient is zero,
+                for p in trained:  # and the optimizer steps on it as it would have (momentum, weight decay)
+                    p.grad = torch.zeros_like(p)
+            grad_norm = clip_grad_norm(trained, clip)
             optimizer.step()
             names = sorted(sums)
             totals = self.sum_over_data([sums.get(k, 0.0) for k in names])
