@@ -121,7 +121,8 @@ def policy_loss(cfg: RLConfig, logprobs: Tensor, old_logprobs: Tensor, rollout_l
         raise ValueError(f"--actor.entropy_coef {actor.entropy_coef} needs the per-token entropy; pass entropy=")
     if entropy is not None:
         ent = share(entropy)
-        loss = loss - actor.entropy_coef * ent
+        if actor.entropy_coef != 0:  # else no term: a zero one would still cost a backward through the softmax
+            loss = loss - actor.entropy_coef * ent
         metrics["entropy"] = ent.detach()
     coef = kl.coef if kl_coef is None else kl_coef
     if kl.use_in == "loss" and coef > 0 and ref_logprobs is None:
