@@ -2,7 +2,11 @@
 
 The bare loop is what one would write by hand in plain PyTorch: HF `generate` (left-padded batch,
 temperature 1), the reward, group-normalised advantages, one optimizer step per batch (on-policy
-REINFORCE with the GRPO baseline), every core for torch's threads. instar runs the real `instar rl`
+REINFORCE with the GRPO baseline; rows with a zero advantage, which carry no gradient, left out of the
+backward, as instar does), every core for torch's threads. The reward is the exact answer (1) plus a
+shaped part (how often the answer's digits occur, / 100): with the exact answer alone a random-init
+model's groups all score 0, so every advantage would be 0 and neither side would have an update to
+compute; here groups differ, as in a task the policy half solves. instar runs the real `instar rl`
 topology (Ray actors, the embedded engine, the agent runner and its env loop, an FSDP2 trainer rank,
 weight sync) in each mode: strictly on-policy (`--train.force_sync_mode`), async one step ahead (the
 default), and async with partial rollout.
@@ -35,13 +39,13 @@ from instar.agents import Env, Result, StepEnvRunner
 
 
 def reward(text: str, label: str) -> float:
-    return float(label in text)
+    return float(label in text) + sum(text.count(d) for d in set(label)) / 100
 
 
 class Sum(Env):
     async def step(self, state: dict) -> Result:
-        r = reward(state["action_text"], state["label"])
-        return Result(reward=r, score=r)
+        text, label = state["action_text"], state["label"]
+        return Result(reward=reward(text, label), score=float(label in text))
 
 
 AgentRunner = StepEnvRunner(Sum)
@@ -49,7 +53,7 @@ AgentRunner = StepEnvRunner(Sum)
 
 
 def reward(text: str, label: str) -> float:  # the agent's, for the bare loop
-    return float(label in text)
+    return float(label in text) + sum(text.count(d) for d in set(label)) / 100
 
 
 def build(out: Path, scale: int, n_prompts: int) -> tuple[str, str, str]:
@@ -75,7 +79,7 @@ def bare_loop(model_dir: str, prompts_path: str, args: argparse.Namespace) -> di
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     records = [json.loads(line) for line in Path(prompts_path).read_text().splitlines()]
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    timed_tokens, timed_s, gen_s, train_s = 0, 0.0, 0.0, 0.0
+    timed_tokens, timed_s, gen_s, train_s, idle_rows = 0, 0.0, 0.0, 0.0, 0.0
     for step in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         batch = [records[(step * args.prompts + i) % len(records)] for i in range(args.prompts)]
@@ -102,21 +106,24 @@ def bare_loop(model_dir: str, prompts_path: str, args: argparse.Namespace) -> di
         attn = torch.tensor([[1] * len(s) + [0] * (length - len(s)) for s in seqs])
         act = torch.tensor([[0] * len(p) + [1] * len(c) + [0] * (length - len(p) - len(c))
                             for p, c in zip(prompts, completions)])[:, 1:].float()
-        logp = torch.log_softmax(model(input_ids=x, attention_mask=attn).logits[:, :-1].float(), -1)
-        logp = logp.gather(-1, x[:, 1:, None])[..., 0]
-        loss = -(adv[:, None] * logp * act).sum() / act.sum()
+        live = adv != 0
         opt.zero_grad()
-        loss.backward()
+        if live.any():
+            logp = torch.log_softmax(model(input_ids=x[live], attention_mask=attn[live]).logits[:, :-1].float(), -1)
+            logp = logp.gather(-1, x[live, 1:, None])[..., 0]
+            loss = -(adv[live, None] * logp * act[live]).sum() / act.sum()
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         t2 = time.perf_counter()
         if step >= args.warmup:
+            idle_rows += int((~live).sum()) / len(live)
             timed_tokens += sum(map(len, completions))
             timed_s += t2 - t0
             gen_s += t1 - t0
             train_s += t2 - t1
     return {"tokens_per_s": timed_tokens / timed_s, "step_s": timed_s / args.steps,
-            "generate_s": gen_s / args.steps, "train_s": train_s / args.steps}
+            "generate_s": gen_s / args.steps, "train_s": train_s / args.steps, "forward_only": idle_rows / args.steps}
 
 
 def instar_run(model_dir: str, prompts: str, agent: str, out: Path, args: argparse.Namespace,
@@ -144,6 +151,7 @@ def instar_run(model_dir: str, prompts: str, agent: str, out: Path, args: argpar
     engine = {k: statistics.mean(r.get(f"engine/{k}", 0.0) for r in timed)
               for k in ("idle_fraction", "rows_per_step", "step_ms")}
     return {"tokens_per_s": tokens / seconds, **split, **engine,
+            "forward_only": statistics.mean(r.get("actor/forward_only", 0.0) for r in timed),
             "agent_cpu": statistics.mean(r.get("agent/cpu_fraction", 0.0) for r in timed)}
 
 
@@ -171,7 +179,8 @@ def main() -> None:
     print(f"\nworkload: {args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, "
           f"model scale {args.scale}, {args.steps} timed steps after {args.warmup}")
     print(f"bare loop: {bare['tokens_per_s']:8.0f} completion tokens/s, step {bare['step_s']:.3f} s "
-          f"(generate {bare['generate_s']:.3f} s, train {bare['train_s']:.3f} s, {args.bare_threads} threads; "
+          f"(generate {bare['generate_s']:.3f} s, train {bare['train_s']:.3f} s, {args.bare_threads} threads, "
+          f"rows with no advantage {bare['forward_only']:.0%}; "
           f"{before['tokens_per_s']:.0f} before instar's runs, {after['tokens_per_s']:.0f} after)")
     for mode, r in results.items():
         ratio = r["tokens_per_s"] / bare["tokens_per_s"]
@@ -180,7 +189,7 @@ def main() -> None:
               f" + update {r['train']:.3f} + weight sync {r['weight_sync']:.3f} (transfer {r['transfer']:.3f}, of"
               f" it waiting for the engine's loop {r['engine_wait']:.3f}); engine idle {r['idle_fraction']:.0%}, "
               f"{r['rows_per_step']:.0f} rows and {r['step_ms']:.1f} ms a step; "
-              f"agent runner CPU {r['agent_cpu']:.0%}")
+              f"agent runner CPU {r['agent_cpu']:.0%}; rows run forward only {r['forward_only']:.0%}")
     if "sync" in results and "async" in results:
         print(f"async_over_sync={results['async']['tokens_per_s'] / results['sync']['tokens_per_s']:.2f}")
     if "partial" in results and "async" in results:
