@@ -7,6 +7,7 @@ from functools import partial
 
 import pytest
 import torch
+import torch.distributed as dist
 from test_train_updates import LENGTHS, make_samples, rl_config, state, worker
 
 from instar.config import RLConfig
@@ -25,6 +26,15 @@ METRICS = ("actor/loss", "actor/grad_norm", "actor/vllm_kl", "actor/policy_kl", 
 @pytest.fixture(scope="module")
 def samples(tiny_model_dir):
     return make_samples(tiny_model_dir)
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_left():
+    """The in-process workers share one default process group: gone after each test, for the next
+    test files that start their own."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def advantages() -> list[torch.Tensor]:
