@@ -12,7 +12,7 @@ import contextlib
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
@@ -120,14 +120,12 @@ class TrainWorker:
     # ---- forward passes -------------------------------------------------------------------------
 
     def _micro_batches(self, samples: list[Sample], inputs: StepInputs | None = None,
-                       indices: list[int] | None = None, forward_only: set[int] | frozenset = frozenset(),
+                       indices: list[int] | None = None, forward_only: Collection[int] = (),
                        ) -> Iterator[tuple[MicroBatch, bool, bool]]:
-        """Packed micro-batches as ``(micro_batch, repeat, backward)``: those of the samples in
-        ``forward_only`` (positions in ``samples``) first, then those that need a backward (a forward
-        without gradient after a backward loses FSDP2's root gradients). Each kind is padded with repeats
-        (``repeat`` True) to the largest count on any rank: FSDP gathers parameters (and reduces
-        gradients) collectively, so every rank must run as many passes of each kind. ``indices`` name
-        the samples in the lists of ``inputs`` (default: their position)."""
+        """Packed ``(micro_batch, repeat, backward)``: the ``forward_only`` samples' (positions) first (a
+        forward without gradient after a backward loses FSDP2's root gradients), then the others. Each kind
+        is padded with repeats to the largest count on any rank: FSDP gathers parameters collectively.
+        ``indices`` name the samples in the lists of ``inputs`` (default: their position)."""
         kinds = []
         for backward in (False, True):
             part = [k for k in range(len(samples)) if (k in forward_only) != backward]
@@ -223,9 +221,8 @@ class TrainWorker:
                      forward_only: list[int] | None = None) -> TrainStats:
         """Optimizer updates of the policy, one per entry of ``updates`` (index lists into ``samples``;
         default: one update over all of them). ``samples`` and ``inputs`` are the whole batch, the same on
-        every rank; each rank takes its token-balanced share of each update. ``forward_only``: samples
-        whose loss has no gradient (zero advantage and no other term): they run a forward pass for the
-        metrics and old logprobs but no backward, which leaves the update exactly as it was.
+        every rank; each rank takes its token-balanced share of each update. ``forward_only``: samples whose
+        loss has no gradient: forward only (metrics, old logprobs), which leaves the update as it was.
 
         "Old" logprobs (the policy before the first update, the denominator of the PPO ratio) come from
         ``inputs.old_logprobs`` when given. Otherwise the first update uses its own forward, detached
@@ -288,8 +285,7 @@ class TrainWorker:
 
     def _updates(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, samples: list[Sample],
                  inputs: StepInputs, updates: list[list[int]], loss_of: Callable, prefix: str,
-                 after_first: Callable[[], None] | None = None, forward_only: set[int] | frozenset = frozenset(),
-                 ) -> TrainStats:
+                 after_first: Callable[[], None] | None = None, forward_only: Collection[int] = ()) -> TrainStats:
         self.threads_used.clear()
         start, clip = time.perf_counter(), self.actor.max_grad_norm if self.actor.max_grad_norm > 0 else float("inf")
         lr = optimizer.param_groups[0]["lr"]
@@ -299,9 +295,8 @@ class TrainWorker:
             global_tokens = sum(samples[i].num_actions for i in update)
             optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
-            passes = self._micro_batches([samples[i] for i in mine], inputs, mine,
-                                         {k for k, i in enumerate(mine) if i in forward_only})
-            for mb, repeat, backward in passes:
+            idle = {k for k, i in enumerate(mine) if i in forward_only}
+            for mb, repeat, backward in self._micro_batches([samples[i] for i in mine], inputs, mine, idle):
                 mb.inputs.global_num_action_tokens = torch.tensor(global_tokens, device=self.device)
                 with self._replay(model, mb), torch.set_grad_enabled(backward):
                     loss, metrics = loss_of(mb)
