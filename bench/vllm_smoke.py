@@ -6,6 +6,8 @@ Builds the tiny models offline, then checks, against HF transformers in float32:
   partial      pause("keep") -> update_weights (tied head, no lm_head.weight sent) -> resume mid-request:
                versions split once, tokens after the swap carry the new model's logprobs
   broadcast    the trainer's weight-sync group straight into vLLM's worker (NCCL with 2+ GPUs, else gloo)
+  sleep        (GPU) before the broadcast the engine sleeps (--engine.enable_sleep_mode): GPU memory freed;
+               the broadcast wakes it, and its check then runs on the woken engine
   routing      (GPU) routed experts per sampled token from the tiny MoE match the HF router
   throughput   bench/engine.py's two workloads (64 prompts x 64 tokens; 64 sessions x 4 turns), tokens/s
 
@@ -106,6 +108,11 @@ async def check_broadcast(engine, b, tol, tp):
     await engine.join_weight_group(open_sync_group, "127.0.0.1", port, first_rank=1, world_size=1 + tp, device=device)
     opener.join()
     model = b.to(device)
+    if engine.cfg.enable_sleep_mode:  # as while the trainer runs; receive_weights wakes it
+        free = torch.cuda.mem_get_info(0)[0]
+        await engine.sleep()
+        freed = (torch.cuda.mem_get_info(0)[0] - free) / 2**20
+        report("sleep", freed > 0, f"vLLM's sleep level 1 freed {freed:.0f} MiB of GPU 0")
     sender = threading.Thread(target=lambda: box.update(stats=send_weights(model.named_parameters(), box["group"])))
     await engine.pause("keep")
     sender.start()
@@ -173,7 +180,7 @@ async def main(args) -> None:
     a_dir, b_dir = build_tiny_model(root / "a"), build_tiny_model(root / "b", TinySpec(seed=1))
     a, b = hf(a_dir), hf(b_dir)
     cfg = EngineConfig(dtype=dtype, enforce_eager=not args.no_eager, max_num_seqs=SESSIONS,
-                       gpu_memory_utilization=0.3)
+                       gpu_memory_utilization=0.3, enable_sleep_mode=gpu)
     start = time.perf_counter()
     engine = VLLMEngine.from_pretrained(a_dir, cfg)
     print(f"start-up: {time.perf_counter() - start:.1f} s ({'GPU' if gpu else 'CPU'}, {dtype})", flush=True)

@@ -31,6 +31,9 @@ def check(cfg: RLConfig) -> None:
     if async_run and adv.is_correction_level == "off":
         raise ConfigError("async or partial rollout trains on off-policy tokens; set "
                           "--algo.advantage.is_correction_level token (or seq/geo), or use --train.force_sync_mode")
+    if cfg.engine.enable_sleep_mode and not cfg.train.force_sync_mode:
+        raise ConfigError("--engine.enable_sleep_mode puts the engines to sleep while the trainer runs, so nothing "
+                          "can be generated ahead; add --train.force_sync_mode")
     if cfg.train.force_sync_mode and cfg.train.partial_rollout_enable:
         raise ConfigError("--train.partial_rollout_enable contradicts --train.force_sync_mode; drop one of them")
     if adv.estimator == "on_policy_distill" and cfg.algo.kl.coef > 0:

@@ -195,6 +195,10 @@ class EngineConfig:
     """Embedded engine: tokens of finished sessions' KV cache kept for their next turn (LRU)."""
     speculative_config: dict | None = None
     """vLLM speculative decoding settings, passed through unchanged."""
+    enable_sleep_mode: bool = False
+    """Engines release their memory while the trainer runs (vLLM's sleep level 1: weights to host memory,
+    KV cache freed; back at the weight sync), so engines and trainer fit on shared GPUs (--ray.placement
+    colocated). Needs --train.force_sync_mode. The embedded engine has nothing to release (host memory)."""
 
 
 @dataclass

@@ -106,6 +106,8 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
                 continue
             barren = 0
             rows = batching.to_rows(kept)
+            if cfg.engine.enable_sleep_mode:  # sync mode: nothing is generated until the weight sync wakes them
+                await cluster.sleep_engines()
             # Trainer logprobs of the distribution the engine sampled from (temperature applied), unless
             # the engine reports raw ones: the IS ratio compares the two.
             temp = r.temperature if cfg.engine.logprobs_mode == "processed" else 1.0

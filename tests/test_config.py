@@ -103,6 +103,7 @@ def test_help_lists_every_flag_with_its_doc():
      "set --rollout.n_samples_per_prompt >= 2"),
     ({"algo.advantage.is_correction_level": "off"}, "set --algo.advantage.is_correction_level token"),
     ({"train.force_sync_mode": True, "train.partial_rollout_enable": True}, "drop one of them"),
+    ({"engine.enable_sleep_mode": True}, "add --train.force_sync_mode"),
     ({"algo.advantage.is_correction_threshold": (1.5, 2.0)}, "0 <= low < 1 < high"),
     ({"rollout.max_groups_in_flight": 2}, "a step can never fill"),
     ({"actor.dual_clip": 0.5}, "--actor.dual_clip must be > 1"),

@@ -47,7 +47,7 @@ def rows(path) -> list[dict]:
 
 def test_sync_mode_two_engines_two_ranks(tmp_path, tiny_model_dir, prompts):
     cfg = make_cfg(tmp_path, tiny_model_dir, prompts, **{"train.force_sync_mode": True, "engine.num_engines": 2,
-                                                          "fsdp.num_ranks": 2})
+                                                          "fsdp.num_ranks": 2, "engine.enable_sleep_mode": True})
     run(cfg)
     metrics = rows(tmp_path / "run/metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
@@ -57,6 +57,7 @@ def test_sync_mode_two_engines_two_ranks(tmp_path, tiny_model_dir, prompts):
     assert metrics[0]["actor/grad_norm"] > 0
     assert all(m["engine/idle_fraction"] <= 1 and m["agent/cpu_fraction"] > 0 for m in metrics)
     assert all(1 <= m["engine/rows_per_step"] <= 8 and m["engine/step_ms"] > 0 for m in metrics)
+    assert all(m["engine/sleeps"] == 1 for m in metrics)  # each engine slept once a step, while the trainer ran
     ledger = rows(tmp_path / "run/ledger.jsonl")
     trained = [(r["epoch"], r["prompt_index"]) for r in ledger if r["outcome"] == "trained"]
     assert len(trained) == 6 == len(set(trained))

@@ -80,7 +80,7 @@ class EmbeddedEngine:
         self._closed = False
         self._weight_group = None
         self.stats = {"prompt_tokens": 0, "prefix_hit_tokens": 0, "sampled_tokens": 0, "busy_seconds": 0.0,
-                      "steps": 0}
+                      "steps": 0, "sleeps": 0}
         """Counters since start: prompt tokens admitted, of those the ones whose KV came from the
         session's cached prefix (not recomputed), and tokens sampled."""
 
@@ -165,6 +165,9 @@ class EmbeddedEngine:
         self._paused, self._draining = False, False
         if self._wake is not None:
             self._wake.set()
+
+    async def sleep(self) -> None:
+        self.stats["sleeps"] += 1  # its memory is the host's, which the trainer shares anyway: nothing to free
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy tensors in by HF parameter name (``lm_head.weight`` may be absent when tied), set the

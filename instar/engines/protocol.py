@@ -95,6 +95,9 @@ class Engine(Sampler, Protocol):
 
     async def resume(self) -> None: ...
 
+    async def sleep(self) -> None:
+        """Release what the engine holds on its devices until the next weight update (--engine.enable_sleep_mode)."""
+
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load new weights (HF parameter names) and set the policy version; call while paused."""
 

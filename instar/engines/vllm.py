@@ -61,6 +61,9 @@ def check_engine_config(cfg: EngineConfig, device: str, routing_replay: bool = F
     if routing_replay and device == "cpu":
         raise ConfigError("--train.routing_replay needs the experts each token was routed to, which vLLM returns only "
                           "on GPU (its Model Runner V2); on CPU use --rollout.engine embedded, which records them")
+    if cfg.enable_sleep_mode and device == "cpu":
+        raise ConfigError("--engine.enable_sleep_mode: vLLM's CPU build has no sleep mode (it frees GPU memory); "
+                          "drop the flag on CPU")
     if routing_replay and not cfg.enable_prefix_caching:
         raise ConfigError("--train.routing_replay with vLLM needs --engine.enable_prefix_caching true (vLLM keeps the "
                           "routing of cached prefixes with the cache)")
@@ -75,7 +78,7 @@ def engine_args(model_path: str | Path, cfg: EngineConfig, device: str, routing_
         enable_prefix_caching=cfg.enable_prefix_caching, enforce_eager=cfg.enforce_eager,
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
         speculative_config=cfg.speculative_config, logprobs_mode=LOGPROBS_MODES[cfg.logprobs_mode], max_logprobs=0,
-        enable_return_routed_experts=routing_replay,
+        enable_return_routed_experts=routing_replay, enable_sleep_mode=cfg.enable_sleep_mode,
         generation_config="vllm", skip_tokenizer_init=True, disable_log_stats=True,
         worker_extension_cls=EXTENSION, distributed_executor_backend="uni" if device == "cpu" else None,
     )
@@ -114,7 +117,8 @@ class VLLMEngine:
         self._ids = itertools.count()
         self._in_flight = 0
         self._paused = False
-        self.stats = {"prompt_tokens": 0, "prefix_hit_tokens": 0, "sampled_tokens": 0}
+        self._asleep = False
+        self.stats = {"prompt_tokens": 0, "prefix_hit_tokens": 0, "sampled_tokens": 0, "sleeps": 0}
 
     @classmethod
     def from_pretrained(cls, path: str | Path, cfg: EngineConfig | None = None, version: int = 0,
@@ -203,6 +207,13 @@ class VLLMEngine:
         await self.llm.resume_generation()
         self._paused = False
 
+    async def sleep(self) -> None:
+        """vLLM's sleep level 1 (its weights to host memory, the KV cache freed) until the next weight
+        update, which wakes the weights, loads into them, then allocates the KV cache again."""
+        await self.llm.sleep(level=1)
+        self._asleep = True
+        self.stats["sleeps"] += 1
+
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load tensors by HF parameter name through vLLM's ``reload_weights`` in every worker (the
         tensors travel inside the RPC: fine on CPU and for small models; at scale use
@@ -213,6 +224,7 @@ class VLLMEngine:
         # contiguous CPU copies; a tied head is dropped here and re-derived from the embedding in the worker
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors
                    if not (self._tied and name == "lm_head.weight")}
+        await self._wake("weights")
         await self.llm.collective_rpc("instar_load_weights", args=(save(tensors), self._tied))
         await self._after_update(version)
 
@@ -231,6 +243,7 @@ class VLLMEngine:
         """Every worker receives one broadcast from the trainer straight into vLLM (NCCL on GPU, gloo
         on CPU) with ``receive`` (`instar.train.weight_sync.receive_weights`). Call while paused."""
         self._check_paused()
+        await self._wake("weights")
         await self.llm.collective_rpc("instar_receive_weights", args=(qualname(receive), self._tied))
         await self._after_update(version)
 
@@ -241,7 +254,15 @@ class VLLMEngine:
 
     # -- helpers ---------------------------------------------------------------------------------
 
+    async def _wake(self, tag: str) -> None:
+        """Wake one of vLLM's memory pools ("weights", "kv_cache") after `sleep`; the KV cache comes back
+        only once the new weights are in, so the two never peak together with the broadcast's buffers."""
+        if self._asleep:
+            await self.llm.wake_up(tags=[tag])
+            self._asleep = tag == "weights"
+
     async def _after_update(self, version: int) -> None:
+        await self._wake("kv_cache")
         # Preempts running requests too: they are re-prefilled under the new weights after resume.
         await self.llm.reset_prefix_cache(reset_running_requests=True)
         await self.llm.update_weight_version(str(version))

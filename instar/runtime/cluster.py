@@ -164,6 +164,10 @@ class Cluster:
                                  "faults/engine_restarts": float(self.engine_restarts)}
         return arrived()
 
+    async def sleep_engines(self) -> None:
+        """--engine.enable_sleep_mode: the engines free their GPU memory for the trainer until the weight sync."""
+        await asyncio.gather(*(self._call(i, "sleep") for i in range(len(self.engines))))
+
     async def restore_engines(self, version: int) -> None:
         """Send the weights now if an engine was restarted: with one engine, nothing is generated until then."""
         if self.engines and any(await asyncio.gather(*(self._call(i, "needs_weights")

@@ -176,6 +176,9 @@ class EngineActor:
         await self._on_engine(self.engine.join_weight_group(open_sync_group, master_addr, master_port, rank,
                                                             world_size, device))
 
+    async def sleep(self) -> None:
+        await self._on_engine(self.engine.sleep())
+
     async def sync_weights(self, version: int, mode: PauseMode) -> float:
         """Pause (keep or drain), receive one broadcast from trainer rank 0, load it, resume; returns the
         seconds it waited for the engine's loop. One coroutine there: a busy engine's loop turns once per

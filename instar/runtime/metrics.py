@@ -34,6 +34,8 @@ class Usage:
         if delta.get("steps"):  # how well requests batch, and what one engine step costs
             totals["engine/rows_per_step"] = delta["sampled_tokens"] / delta["steps"]
             totals["engine/step_ms"] = 1000 * delta.get("busy_seconds", 0.0) / delta["steps"]
+        if delta.get("sleeps"):  # --engine.enable_sleep_mode: once a step when it works
+            totals["engine/sleeps"] = delta["sleeps"] / len(self.engines)
         if delta.get("prompt_tokens"):
             totals["engine/prefix_hit_rate"] = delta.get("prefix_hit_tokens", 0.0) / delta["prompt_tokens"]
         return totals

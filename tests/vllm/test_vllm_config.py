@@ -28,6 +28,7 @@ from instar.engines.vllm import (
     ({"tensor_parallel_size": 2}, "cpu", False, "use --engine.tensor_parallel_size 1"),
     ({}, "cpu", True, "vLLM returns only on GPU"),
     ({"enable_prefix_caching": False}, "cuda", True, "needs --engine.enable_prefix_caching true"),
+    ({"enable_sleep_mode": True}, "cpu", False, "vLLM's CPU build has no sleep mode"),
 ])
 def test_guard_rails_name_the_fix(changes, device, routing, message):
     with pytest.raises(ConfigError, match=message):
@@ -49,7 +50,7 @@ def test_vllm_flags_reach_the_engine_args():
     _, cfg = parse(["rl", "--vllm.num_engines", "3", "--vllm.tensor_parallel_size", "2",
                     "--vllm.gpu_memory_utilization", "0.7", "--vllm.enable_prefix_caching", "false",
                     "--vllm.enforce_eager", "--vllm.dtype", "bfloat16", "--vllm.logprobs_mode", "raw",
-                    "--vllm.max_num_seqs", "32", "--vllm.max_num_batched_tokens", "4096",
+                    "--vllm.max_num_seqs", "32", "--vllm.max_num_batched_tokens", "4096", "--vllm.enable_sleep_mode",
                     "--vllm.speculative_config", '{"method": "ngram", "num_speculative_tokens": 2}'])
     assert cfg.engine.num_engines == 3  # the runtime's business: one engine (AsyncLLM) per actor
     args = engine_args("/ckpt", cfg.engine, "cuda")
@@ -58,9 +59,9 @@ def test_vllm_flags_reach_the_engine_args():
         "model": "/ckpt", "dtype": "bfloat16", "tensor_parallel_size": 2, "gpu_memory_utilization": 0.7,
         "enable_prefix_caching": False, "enforce_eager": True, "max_num_seqs": 32, "max_num_batched_tokens": 4096,
         "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}, "logprobs_mode": "raw_logprobs",
-        "max_logprobs": 0, "enable_return_routed_experts": False, "generation_config": "vllm",
-        "skip_tokenizer_init": True, "disable_log_stats": True, "worker_extension_cls": EXTENSION,
-        "distributed_executor_backend": None}
+        "max_logprobs": 0, "enable_return_routed_experts": False, "enable_sleep_mode": True,
+        "generation_config": "vllm", "skip_tokenizer_init": True, "disable_log_stats": True,
+        "worker_extension_cls": EXTENSION, "distributed_executor_backend": None}
     cpu = engine_args("/ckpt", EngineConfig(), "cpu", routing_replay=False)
     assert cpu["distributed_executor_backend"] == "uni" and cpu["logprobs_mode"] == "processed_logprobs"
 
@@ -90,3 +91,43 @@ def test_sampling_params_are_mapped_explicitly():
     assert p.logprobs == 0 and not p.detokenize and p.output_kind == RequestOutputKind.FINAL_ONLY
     assert p.routed_experts_prompt_start == 9
     assert to_vllm_sampling_params(SamplingParams(top_k=5), 9).top_k == 5
+
+
+class RecordingLLM:
+    """The calls an `AsyncLLM` gets, in order (no vLLM needed): sleep mode's order is instar's logic."""
+
+    def __init__(self):
+        self.calls = []
+        hf_config = type("HFConfig", (), {"tie_word_embeddings": False})()
+        self.model_config = type("ModelConfig", (), {"hf_config": hf_config, "max_model_len": 64,
+                                                     "get_vocab_size": lambda self: 512})()
+
+    def __getattr__(self, name):
+        async def call(*args, **kwargs):
+            self.calls.append((name, *args, *sorted(kwargs.items())))
+        return call
+
+
+@pytest.mark.parametrize("path", ["receive", "update"])
+def test_sleep_mode_wakes_the_weights_loads_them_then_the_kv_cache(path):
+    import asyncio
+
+    async def go() -> list:
+        llm = RecordingLLM()
+        engine = VLLMEngine(llm, EngineConfig(enable_sleep_mode=True))
+        for version in (1, 2):
+            await engine.sleep()
+            await engine.pause("drain")
+            if path == "receive":
+                await engine.receive_weights(lambda *a: None, version)
+            else:
+                await engine.update_weights([("model.norm.weight", torch.ones(4))], version)
+            await engine.resume()
+        assert engine.stats["sleeps"] == 2
+        return [c[0] if c[0] != "wake_up" else c for c in llm.calls]
+
+    calls = asyncio.run(go())
+    load = "collective_rpc"
+    step = ["sleep", "pause_generation", ("wake_up", ("tags", ["weights"])), load,
+            ("wake_up", ("tags", ["kv_cache"])), "reset_prefix_cache", "update_weight_version", "resume_generation"]
+    assert calls == step + step
