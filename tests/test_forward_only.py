@@ -97,13 +97,16 @@ def _two_rank_job(rank, world, port, model_dir, samples):
     w = smooth_worker(model_dir, rank, world, port)
     stats = w.train_policy(samples, partial(rl_loss, rl_config(), 0.0), StepInputs(advantages=advantages()),
                            updates=UPDATES, forward_only=IDLE)
-    out = {"metrics": stats.metrics, "state": state(w)}
+    out = {"metrics": stats.metrics, "state": state(w), "share": w._share(samples, UPDATES[0], IDLE)}
     w.shutdown()
     return out
 
 
 def test_two_ranks_equal_one_rank_when_a_rank_has_only_forward_only_samples(tiny_model_dir, samples):
     two = run_ranks(_two_rank_job, 2, tiny_model_dir, samples)  # update 2: both ranks idle only
+    # update 1 dealt by work, a backward counting three forwards: 14 + 3 x 11 and 3 x (9 + 6) tokens' worth
+    # (by tokens alone rank 0 would hold samples 1 and 2: work 32 against 60)
+    assert [two[0]["share"], two[1]["share"]] == [[1, 3], [0, 2]]
     w, one, _ = train(tiny_model_dir, samples, IDLE)
     for k in METRICS:
         assert two[0]["metrics"][k] == pytest.approx(one[k], rel=1e-4, abs=1e-6), k

@@ -37,6 +37,10 @@ def test_shard_samples_balances_tokens_over_ranks():
     assert shard_samples([4, 4, 4], 3) == [[0], [1], [2]]
     with pytest.raises(ValueError, match="2 samples cannot feed 3 trainer ranks"):
         shard_samples([1, 2], 3)
+    # work, not tokens: sample 0 runs forward only (cost 1), 1 and 2 backward too (cost 3)
+    assert shard_samples([20, 10, 10], 2) == [[0], [1, 2]]  # 20 and 20 tokens: work 20 and 60
+    assert shard_samples([20, 10, 10], 2, cost=[1, 3, 3]) == [[0, 1], [2]]  # work 50 and 30
+    assert shard_samples([20, 10, 10], 2, cost=[3, 3, 3]) == [[0], [1, 2]]  # one cost for all: tokens
 
 
 def test_collate_packs_one_row_and_unpacks_right_padded():

@@ -149,19 +149,22 @@ def plan_micro_batches(lengths: list[int], max_tokens: int, seqs: list[list[int]
     return bins
 
 
-def shard_samples(lengths: list[int], world_size: int, seqs: list[list[int]] | None = None) -> list[list[int]]:
-    """Indices dealt to ranks so each gets about the same number of tokens (longest first, each to the
-    least loaded rank). Every rank gets at least one sample when there are enough. With ``seqs`` (shared
-    rows) in which some samples share a start, each rank gets a run of `tree_order`, cut where the
-    prefix-tree tokens before it are nearest to an equal share: a group's samples stay on one rank."""
+def shard_samples(lengths: list[int], world_size: int, seqs: list[list[int]] | None = None,
+                  cost: list[int] | None = None) -> list[list[int]]:
+    """Indices dealt to ranks so each gets about the same work: tokens times the sample's ``cost`` (default
+    1; a backward costs about two forwards more), longest first, each to the least loaded rank. Every rank
+    gets at least one sample when there are enough. With ``seqs`` (shared rows) in which some samples share a
+    start, each rank gets a run of `tree_order`, cut where the work before it is nearest to an equal share:
+    a group's samples stay on one rank."""
     if len(lengths) < world_size:
         raise ValueError(f"{len(lengths)} samples cannot feed {world_size} trainer ranks; "
                          "use a batch of at least --fsdp.num_ranks samples")
+    cost = cost or [1] * len(lengths)
     order, shared = _shared_with_previous(seqs) if seqs is not None else ([], [])
     if any(shared):  # else nothing is shared: dealing by length balances better
         done = [0]
         for i, common in zip(order, shared):
-            done.append(done[-1] + lengths[i] - common)
+            done.append(done[-1] + (lengths[i] - common) * cost[i])
         cuts = [0]
         for r in range(1, world_size):  # nearest to r shares, leaving a sample for every later rank
             lo, hi = cuts[-1] + 1, len(order) - (world_size - r)
@@ -170,10 +173,10 @@ def shard_samples(lengths: list[int], world_size: int, seqs: list[list[int]] | N
         return [sorted(order[a:b]) for a, b in zip(cuts, cuts[1:])]
     shards: list[list[int]] = [[] for _ in range(world_size)]
     load = [0] * world_size
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i] * cost[i], i)):
         r = min(range(world_size), key=lambda r: (load[r], len(shards[r])))
         shards[r].append(i)
-        load[r] += lengths[i]
+        load[r] += lengths[i] * cost[i]
     return [sorted(s) for s in shards]
 
 

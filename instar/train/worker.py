@@ -1,9 +1,8 @@
 """One trainer rank: a plain class (no Ray) that owns the sharded policy, its optimizer and schedule,
 the optional frozen reference and the optional critic, and does everything a step needs.
 
-Every public method is collective: call it on all ranks at once, each with its own share of the
-samples (``batch.shard_samples``). ``runtime/trainer_group.py`` wraps this class in Ray actors;
-tests drive it from plain processes.
+Every public method is collective: call it on all ranks at once, each with its own share of the samples
+(``batch.shard_samples``). ``runtime/trainer_group.py`` wraps this class in Ray actors; tests drive it directly.
 """
 
 from __future__ import annotations
@@ -268,11 +267,12 @@ class TrainWorker:
         return self._updates(self.critic, self.critic_optimizer, self.critic_scheduler, samples, inputs,
                              updates or [list(range(len(samples)))], loss_of, "critic")
 
-    def _share(self, samples: list[Sample], indices: list[int]) -> list[int]:
-        """This rank's part of ``indices``: the same token-balanced split on every rank, one part per
-        data-parallel rank (the tp and cp ranks of one data shard take the same part)."""
-        shards = shard_samples([len(samples[i].token_ids) for i in indices], self.layout.data_size,
-                               [identity(samples[i]) for i in indices] if self.share_prefix else None)
+    def _share(self, samples: list[Sample], indices: list[int], forward_only: Collection[int] = ()) -> list[int]:
+        """This rank's part of ``indices``, split alike on every data-parallel rank (its tp and cp ranks take
+        the same part) by work: a ``forward_only`` sample costs a third of one with a backward."""
+        seqs = [identity(samples[i]) for i in indices] if self.share_prefix else None
+        shards = shard_samples([len(samples[i].token_ids) for i in indices], self.layout.data_size, seqs,
+                               [1 if i in forward_only else 3 for i in indices])
         return [indices[k] for k in shards[self.layout.data_rank]]
 
     def share(self, samples: list[Sample]) -> list[Sample]:
@@ -291,7 +291,7 @@ class TrainWorker:
         lr = optimizer.param_groups[0]["lr"]
         per_update: list[dict[str, float]] = []
         for u, update in enumerate(updates):
-            mine = self._share(samples, update)
+            mine = self._share(samples, update, forward_only)
             global_tokens = sum(samples[i].num_actions for i in update)
             optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
