@@ -117,7 +117,7 @@ class VLLMEngine:
         self._ids = itertools.count()
         self._in_flight = 0
         self._paused = False
-        self._asleep = False
+        self._asleep: set[str] = set()  # vLLM's memory pools that `sleep` released and no update woke yet
         self.stats = {"prompt_tokens": 0, "prefix_hit_tokens": 0, "sampled_tokens": 0, "sleeps": 0}
 
     @classmethod
@@ -211,7 +211,7 @@ class VLLMEngine:
         """vLLM's sleep level 1 (its weights to host memory, the KV cache freed) until the next weight
         update, which wakes the weights, loads into them, then allocates the KV cache again."""
         await self.llm.sleep(level=1)
-        self._asleep = True
+        self._asleep = {"weights", "kv_cache"}
         self.stats["sleeps"] += 1
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -257,9 +257,9 @@ class VLLMEngine:
     async def _wake(self, tag: str) -> None:
         """Wake one of vLLM's memory pools ("weights", "kv_cache") after `sleep`; the KV cache comes back
         only once the new weights are in, so the two never peak together with the broadcast's buffers."""
-        if self._asleep:
+        if tag in self._asleep:
             await self.llm.wake_up(tags=[tag])
-            self._asleep = tag == "weights"
+            self._asleep.discard(tag)
 
     async def _after_update(self, version: int) -> None:
         await self._wake("kv_cache")

@@ -220,7 +220,7 @@ class TrainWorker:
                      forward_only: list[int] | None = None) -> TrainStats:
         """Optimizer updates of the policy, one per entry of ``updates`` (index lists into ``samples``;
         default: one update over all of them). ``samples`` and ``inputs`` are the whole batch, the same on
-        every rank; each rank takes its token-balanced share of each update. ``forward_only``: samples whose
+        every rank; each rank takes its work-balanced share of each update. ``forward_only``: samples whose
         loss has no gradient: forward only (metrics, old logprobs), which leaves the update as it was.
 
         "Old" logprobs (the policy before the first update, the denominator of the PPO ratio) come from
