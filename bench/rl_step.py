@@ -23,10 +23,13 @@ instar's runs and its two figures are averaged (the load of a shared machine dri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -126,6 +129,52 @@ def bare_loop(model_dir: str, prompts_path: str, args: argparse.Namespace) -> di
             "generate_s": gen_s / args.steps, "train_s": train_s / args.steps, "forward_only": idle_rows / args.steps}
 
 
+ROLES = {"ray::EngineActor": "engine", "ray::_Rank": "trainer", "ray::AgentActor": "agent"}
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds used so far by each instar role (all their processes) and by the whole machine, and
+    the wall clock."""
+    tick, by_role = os.sysconf("SC_CLK_TCK"), dict.fromkeys([*ROLES.values(), "driver", "other"], 0.0)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:  # the process ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        role = "driver" if int(pid) == os.getpid() else next(
+            (r for prefix, r in ROLES.items() if title.startswith(prefix)), "other")
+        by_role[role] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    cpu = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    by_role["machine"] = (sum(cpu) - cpu[3] - cpu[4]) / tick  # busy: all but idle and iowait
+    by_role["wall"] = time.perf_counter()
+    return by_role
+
+
+@contextlib.contextmanager
+def cpu_window(first: int, last: int) -> Iterator[dict[str, float]]:
+    """CPU seconds per role and of the machine between the loop's metrics rows of steps ``first`` and
+    ``last`` (a row is written as its step ends): read when the loop logs them."""
+    from instar.train import run_dir
+
+    marks: dict[int, dict[str, float]] = {}
+    log = run_dir.MetricsLogger.log
+
+    def logged(self: run_dir.MetricsLogger, step: int, metrics: dict) -> None:
+        log(self, step, metrics)
+        if step in (first, last):
+            marks[step] = cpu_seconds()
+    out: dict[str, float] = {}
+    run_dir.MetricsLogger.log = logged
+    try:
+        yield out
+    finally:
+        run_dir.MetricsLogger.log = log
+    if len(marks) == 2:
+        out.update({k: marks[last][k] - marks[first].get(k, 0.0) for k in marks[last]})
+
+
 def instar_run(model_dir: str, prompts: str, agent: str, out: Path, args: argparse.Namespace,
                mode: str) -> dict[str, float]:
     from instar.loop import run
@@ -140,7 +189,8 @@ def instar_run(model_dir: str, prompts: str, agent: str, out: Path, args: argpar
     cfg.train.partial_rollout_enable = mode == "partial"
     cfg.ckpt.output_dir = str(out / f"run-{mode}")
     cfg.fsdp.num_ranks = args.ranks
-    run(cfg)
+    with cpu_window(args.warmup, args.warmup + args.steps) as cpu:
+        run(cfg)
     rows = [json.loads(line) for line in (out / f"run-{mode}/metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if r.get("step", 0) > args.warmup and "time/step" in r]
     seconds = sum(r["time/step"] for r in timed)
@@ -150,7 +200,8 @@ def instar_run(model_dir: str, prompts: str, agent: str, out: Path, args: argpar
     split |= {k: statistics.mean(r.get(f"weight_sync/{k}_s", 0.0) for r in timed) for k in ("engine_wait", "transfer")}
     engine = {k: statistics.mean(r.get(f"engine/{k}", 0.0) for r in timed)
               for k in ("idle_fraction", "rows_per_step", "step_ms")}
-    return {"tokens_per_s": tokens / seconds, **split, **engine,
+    cpu = {f"cpu_{k}": v / len(timed) for k, v in cpu.items()}  # core-seconds per timed step
+    return {"tokens_per_s": tokens / seconds, **split, **engine, **cpu,
             "forward_only": statistics.mean(r.get("actor/forward_only", 0.0) for r in timed),
             "agent_cpu": statistics.mean(r.get("agent/cpu_fraction", 0.0) for r in timed)}
 
@@ -190,6 +241,13 @@ def main() -> None:
               f" it waiting for the engine's loop {r['engine_wait']:.3f}); engine idle {r['idle_fraction']:.0%}, "
               f"{r['rows_per_step']:.0f} rows and {r['step_ms']:.1f} ms a step; "
               f"agent runner CPU {r['agent_cpu']:.0%}; rows run forward only {r['forward_only']:.0%}")
+        if "cpu_machine" in r:  # a ceiling: the same work with every core busy all the time
+            cores = len(os.sched_getaffinity(0))
+            packed = r["cpu_machine"] / cores
+            roles = " + ".join(f"{k} {r['cpu_' + k]:.3f}" for k in (*ROLES.values(), "driver", "other"))
+            print(f"  core-seconds a step: {roles}; the machine {r['cpu_machine']:.3f} of {cores} x {r['cpu_wall']:.3f}"
+                  f" ({r['cpu_machine'] / cores / r['cpu_wall']:.0%} busy): with every core busy this work takes "
+                  f"{packed:.3f} s a step, ratio {ratio * r['cpu_wall'] / packed:.2f}")
     if "sync" in results and "async" in results:
         print(f"async_over_sync={results['async']['tokens_per_s'] / results['sync']['tokens_per_s']:.2f}")
     if "partial" in results and "async" in results:
