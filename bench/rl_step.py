@@ -132,10 +132,10 @@ def bare_loop(model_dir: str, prompts_path: str, args: argparse.Namespace) -> di
 ROLES = {"ray::EngineActor": "engine", "ray::_Rank": "trainer", "ray::AgentActor": "agent"}
 
 
-def cpu_seconds() -> dict[str, float]:
-    """CPU seconds used so far by each instar role (all their processes) and by the whole machine, and
-    the wall clock."""
-    tick, by_role = os.sysconf("SC_CLK_TCK"), dict.fromkeys([*ROLES.values(), "driver", "other"], 0.0)
+def cpu_seconds() -> dict[str, tuple[str, float]]:
+    """Each process's title and CPU seconds so far, the whole machine's (busy: all but idle and iowait),
+    and the wall clock."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
@@ -143,22 +143,27 @@ def cpu_seconds() -> dict[str, float]:
         except OSError:  # the process ended meanwhile
             continue
         fields = stat[stat.rindex(")") + 2:].split()
-        role = "driver" if int(pid) == os.getpid() else next(
-            (r for prefix, r in ROLES.items() if title.startswith(prefix)), "other")
-        by_role[role] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        out[pid] = (title, (int(fields[11]) + int(fields[12])) / tick)  # utime + stime
     cpu = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-    by_role["machine"] = (sum(cpu) - cpu[3] - cpu[4]) / tick  # busy: all but idle and iowait
-    by_role["wall"] = time.perf_counter()
-    return by_role
+    return out | {"machine": ("", (sum(cpu) - cpu[3] - cpu[4]) / tick), "wall": ("", time.perf_counter())}
+
+
+def role(pid: str, title: str) -> str:
+    if pid in ("machine", "wall"):
+        return pid
+    if int(pid) == os.getpid():
+        return "driver"
+    return next((r for prefix, r in ROLES.items() if title.startswith(prefix)), "other")
 
 
 @contextlib.contextmanager
 def cpu_window(first: int, last: int) -> Iterator[dict[str, float]]:
-    """CPU seconds per role and of the machine between the loop's metrics rows of steps ``first`` and
-    ``last`` (a row is written as its step ends): read when the loop logs them."""
+    """CPU seconds of each instar role (all its processes), of the machine, and the wall time between the
+    loop's metrics rows of steps ``first`` and ``last`` (a row is written as its step ends), read when the
+    loop logs them. A Ray worker's title names its actor (``ray::EngineActor.method``) once it holds one."""
     from instar.train import run_dir
 
-    marks: dict[int, dict[str, float]] = {}
+    marks: dict[int, dict[str, tuple[str, float]]] = {}
     log = run_dir.MetricsLogger.log
 
     def logged(self: run_dir.MetricsLogger, step: int, metrics: dict) -> None:
@@ -171,8 +176,11 @@ def cpu_window(first: int, last: int) -> Iterator[dict[str, float]]:
         yield out
     finally:
         run_dir.MetricsLogger.log = log
-    if len(marks) == 2:
-        out.update({k: marks[last][k] - marks[first].get(k, 0.0) for k in marks[last]})
+    if len(marks) == 2:  # a process that ended in between is left out: its last figures are unknown
+        for pid, (title, seconds) in marks[last].items():
+            before = marks[first].get(pid, ("", 0.0))
+            key = role(pid, title) if role(pid, title) != "other" else role(pid, before[0])
+            out[key] = out.get(key, 0.0) + seconds - before[1]
 
 
 def instar_run(model_dir: str, prompts: str, agent: str, out: Path, args: argparse.Namespace,
@@ -244,7 +252,7 @@ def main() -> None:
         if "cpu_machine" in r:  # a ceiling: the same work with every core busy all the time
             cores = len(os.sched_getaffinity(0))
             packed = r["cpu_machine"] / cores
-            roles = " + ".join(f"{k} {r['cpu_' + k]:.3f}" for k in (*ROLES.values(), "driver", "other"))
+            roles = " + ".join(f"{k} {r.get('cpu_' + k, 0.0):.3f}" for k in (*ROLES.values(), "driver", "other"))
             print(f"  core-seconds a step: {roles}; the machine {r['cpu_machine']:.3f} of {cores} x {r['cpu_wall']:.3f}"
                   f" ({r['cpu_machine'] / cores / r['cpu_wall']:.0%} busy): with every core busy this work takes "
                   f"{packed:.3f} s a step, ratio {ratio * r['cpu_wall'] / packed:.2f}")
