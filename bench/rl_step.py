@@ -13,8 +13,10 @@ default), and async with partial rollout.
 
 Both sides count completion tokens (sampled tokens, the end-of-turn token included) per second of
 the timed steps (the first --warmup steps of each are not timed); the bare loop runs before and after
-instar's runs and its two figures are averaged (the load of a shared machine drifts over minutes). The last line is
-`rl_ratio=<instar async / bare>`.
+instar's runs and its two figures are averaged (the load of a shared machine drifts over minutes). Under each
+mode: the CPU a step took over the timed steps, per role (engine, trainer, agent runner, driver, the rest of the
+machine), and the ratio the same work would give with every core busy all the time, a ceiling for better
+scheduling alone. The last line is `rl_ratio=<instar async / bare>`.
 
     OMP_NUM_THREADS=1 python bench/rl_step.py                          # 8 prompts x 8 samples x 48 tokens
     OMP_NUM_THREADS=1 python bench/rl_step.py --prompts 32 --new-tokens 256 --scale 10   # a 10x model
