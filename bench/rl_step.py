@@ -252,7 +252,7 @@ def main() -> None:
               f"{r['rows_per_step']:.0f} rows and {r['step_ms']:.1f} ms a step; "
               f"agent runner CPU {r['agent_cpu']:.0%}; rows run forward only {r['forward_only']:.0%}")
         if "cpu_machine" in r:  # a ceiling: the same work with every core busy all the time
-            cores = len(os.sched_getaffinity(0))
+            cores = os.cpu_count() or 1  # what /proc/stat's busy time is of
             packed = r["cpu_machine"] / cores
             roles = " + ".join(f"{k} {r.get('cpu_' + k, 0.0):.3f}" for k in (*ROLES.values(), "driver", "other"))
             print(f"  core-seconds a step: {roles}; the machine {r['cpu_machine']:.3f} of {cores} x {r['cpu_wall']:.3f}"
