@@ -155,7 +155,7 @@ def shard_samples(lengths: list[int], world_size: int, seqs: list[list[int]] | N
     1; a backward costs about two forwards more), longest first, each to the least loaded rank. Every rank
     gets at least one sample when there are enough. With ``seqs`` (shared rows) in which some samples share a
     start, each rank gets a run of `tree_order`, cut where the work before it is nearest to an equal share:
-    a group's samples stay on one rank."""
+    most groups stay whole on one rank; a cut inside one runs its shared start on both."""
     if len(lengths) < world_size:
         raise ValueError(f"{len(lengths)} samples cannot feed {world_size} trainer ranks; "
                          "use a batch of at least --fsdp.num_ranks samples")
