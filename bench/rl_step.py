@@ -181,7 +181,9 @@ def cpu_window(first: int, last: int) -> Iterator[dict[str, float]]:
     if len(marks) == 2:  # a process that ended in between is left out: its last figures are unknown
         for pid, (title, seconds) in marks[last].items():
             before = marks[first].get(pid, ("", 0.0))
-            key = role(pid, title) if role(pid, title) != "other" else role(pid, before[0])
+            key = role(pid, title)
+            if key == "other":  # named by the title it had at the first read
+                key = role(pid, before[0])
             out[key] = out.get(key, 0.0) + seconds - before[1]
 
 
