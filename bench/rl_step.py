@@ -201,6 +201,7 @@ def instar_run(model_dir: str, prompts: str, agent: str, out: Path, args: argpar
     cfg.train.partial_rollout_enable = mode == "partial"
     cfg.ckpt.output_dir = str(out / f"run-{mode}")
     cfg.fsdp.num_ranks = args.ranks
+    cfg.engine.compile = args.engine_compile
     with cpu_window(args.warmup, args.warmup + args.steps) as cpu:
         run(cfg)
     rows = [json.loads(line) for line in (out / f"run-{mode}/metrics.jsonl").read_text().splitlines()]
@@ -229,6 +230,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--modes", default="sync,async,partial")
     p.add_argument("--ranks", type=int, default=1, help="instar's trainer ranks (--fsdp.num_ranks)")
+    p.add_argument("--engine-compile", default="aot", choices=["none", "aot"],
+                   help="instar's --engine.compile (aot: the dense layers AOT-compiled, built once per model shape)")
     p.add_argument("--bare-threads", type=int, default=2, help="torch threads of the bare loop (0: torch's default)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
@@ -240,7 +243,8 @@ def main() -> None:
         after = bare_loop(model_dir, prompts, args)
         bare = {k: (before[k] + after[k]) / 2 for k in before}
     print(f"\nworkload: {args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, "
-          f"model scale {args.scale}, {args.steps} timed steps after {args.warmup}")
+          f"model scale {args.scale}, {args.steps} timed steps after {args.warmup}; instar with --engine.compile "
+          f"{args.engine_compile}")
     print(f"bare loop: {bare['tokens_per_s']:8.0f} completion tokens/s, step {bare['step_s']:.3f} s "
           f"(generate {bare['generate_s']:.3f} s, train {bare['train_s']:.3f} s, {args.bare_threads} threads, "
           f"rows with no advantage {bare['forward_only']:.0%}; "

@@ -3,6 +3,11 @@
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: 2 cores are shared
+import shutil
+import tempfile
+
+# --engine.compile aot's builds go to a cache of this test session (Ray workers inherit the variable)
+os.environ["INSTAR_CACHE"] = tempfile.mkdtemp(prefix="instar-test-cache-")
 
 import json
 
@@ -12,6 +17,12 @@ import torch
 from instar.data.tiny_model import TinySpec, build_tiny_model
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _test_cache():
+    yield
+    shutil.rmtree(os.environ["INSTAR_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

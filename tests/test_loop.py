@@ -45,10 +45,15 @@ def rows(path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-def test_sync_mode_two_engines_two_ranks(tmp_path, tiny_model_dir, prompts):
+def test_sync_mode_two_engines_two_ranks(tmp_path, tiny_model_dir, prompts, monkeypatch):
+    # the engines compiled (--engine.compile aot): both build into an empty cache at once
+    monkeypatch.setenv("INSTAR_CACHE", str(tmp_path / "cache"))
     cfg = make_cfg(tmp_path, tiny_model_dir, prompts, **{"train.force_sync_mode": True, "engine.num_engines": 2,
-                                                          "fsdp.num_ranks": 2, "engine.enable_sleep_mode": True})
+                                                          "fsdp.num_ranks": 2, "engine.enable_sleep_mode": True,
+                                                          "engine.compile": "aot"})
     run(cfg)
+    built = list((tmp_path / "cache/aot").iterdir())
+    assert len(built) == 2 and all(p.suffix == ".pt2" for p in built)  # one build of the two halves, no leftovers
     metrics = rows(tmp_path / "run/metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert abs(metrics[0]["actor/vllm_kl"]) < 1e-3  # on-policy: engine and trainer agree

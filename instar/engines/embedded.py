@@ -38,6 +38,7 @@ from instar.config import EngineConfig
 from instar.contract import Generation, ImageInputs, SamplingParams
 from instar.engines.kv_model import (
     SlotCache,
+    aot_layers,
     check_supported,
     decoder,
     forward,
@@ -66,6 +67,7 @@ class EmbeddedEngine:
         self.max_model_len = text_config(model).max_position_embeddings
         self._vision = hasattr(model.model, "visual")
         self._cache = SlotCache(model)
+        self._aot = aot_layers(model) if self.cfg.compile == "aot" else None
         self._holes = False  # a request left its slot since the last `_compact`
         self._queue: deque[Request] = deque()
         self._running: list[Request] = []
@@ -316,7 +318,7 @@ class EmbeddedEngine:
             rope = [r.rope_of(r.cached, len(r.ids)) for r in group]
             images = [image_features(model, r) for r in group]
         batch = make_batch(self._cache, new, [r.slot for r in group], [r.cached for r in group], rope, images)
-        logits, routed = forward(model, self._cache, batch)
+        logits, routed = forward(model, self._cache, batch, self._aot)
         offset = 0
         for request, ids in zip(group, new):
             if routed is not None:

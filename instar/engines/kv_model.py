@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from instar.engines.aot import AotLayers, compilable
+
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl")
 
 
@@ -46,6 +48,17 @@ def check_supported(model: nn.Module) -> None:
     if any(getattr(layer.self_attn, "sliding_window", None) for layer in decoder(model).layers):
         raise ValueError("the embedded engine has no sliding-window attention; set use_sliding_window "
                          "false in the model config or use --rollout.engine vllm")
+
+
+def aot_layers(model: nn.Module) -> AotLayers | None:
+    """The compiled halves of ``model``'s dense layers (`--engine.compile aot`); None without dense layers."""
+    dense = [layer for layer in decoder(model).layers if not is_moe(layer)]
+    if not dense:
+        return None
+    if decoder(model).embed_tokens.weight.dtype != torch.float32 or not all(map(compilable, dense)):
+        raise ValueError("--engine.compile aot runs float32 dense layers without projection biases and with a "
+                         "SiLU MLP; use --engine.compile none for this model")
+    return AotLayers.load_or_build(dense[0], text_config(model).rms_norm_eps)
 
 
 def is_moe(layer: nn.Module) -> bool:
@@ -189,6 +202,14 @@ def attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     v = _linear(attn.v_proj, x).view(tokens, -1, head_dim)
     half = head_dim // 2  # HF's rotate_half(x) * sin, as x with its halves swapped times the signed sin
     q, k = q * cos + q.roll(half, -1) * sin, k * cos + k.roll(half, -1) * sin
+    return _linear(attn.o_proj, attend(attn, q, k, v, cache, layer, batch))
+
+
+def attend(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: SlotCache, layer: int,
+           batch: Batch) -> torch.Tensor:
+    """Write the new keys/values ``k, v`` (N, kv_heads, d) into the cache and attend with ``q`` (N, heads, d)
+    (rotated); returns (N, heads * d), before the output projection."""
+    tokens, head_dim = q.shape[0], cache.shape[3]
     cache.k[layer].view(-1, head_dim).index_copy_(0, batch.write_index, k.reshape(-1, head_dim))
     cache.v[layer].view(-1, head_dim).index_copy_(0, batch.write_index, v.reshape(-1, head_dim))
     out = torch.empty_like(q)
@@ -209,7 +230,7 @@ def attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask, scale=attn.scaling,
                                                enable_gqa=True)
             out[group.grid[group.valid]] = o.transpose(1, 2)[group.valid]
-    return _linear(attn.o_proj, out.reshape(tokens, -1))
+    return out.reshape(tokens, -1)
 
 
 # The layers' own weights through torch.nn.functional: the same arithmetic as calling the HF modules
@@ -232,10 +253,11 @@ def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def forward(model: nn.Module, cache: SlotCache, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run a batch's new tokens through ``model``, writing their keys and values into ``cache``.
-    Returns the logits after each row's last token (B, vocab) and, for MoE models, the routed expert
-    ids of every new token (N, moe_layers, top_k), int64."""
+def forward(model: nn.Module, cache: SlotCache, batch: Batch,
+            aot: AotLayers | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run a batch's new tokens through ``model``, writing their keys and values into ``cache``; dense
+    layers through ``aot``'s compiled halves when given. Returns the logits after each row's last token
+    (B, vocab) and, for MoE models, the routed expert ids of every new token (N, moe_layers, top_k), int64."""
     inner = decoder(model)
     h = inner.embed_tokens(batch.tokens)
     if batch.visual is not None:  # image tokens: the vision tower's merged patches instead of the embedding
@@ -246,14 +268,18 @@ def forward(model: nn.Module, cache: SlotCache, batch: Batch) -> tuple[torch.Ten
     sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # see `attention`
     routed = []
     for i, layer in enumerate(inner.layers):
-        h = h + attention(layer.self_attn, _norm(layer.input_layernorm, h), cos, sin, cache, i, batch)
-        x = _norm(layer.post_attention_layernorm, h)
-        if is_moe(layer):  # HF's sparse MoE block, keeping the routed expert ids (N, top_k)
-            _, weights, experts = layer.mlp.gate(x)
-            h = h + layer.mlp.experts(x, experts, weights)
-            routed.append(experts)
+        if aot is not None and not is_moe(layer):
+            q, k, v = aot.before_attention(layer, h, cos, sin)
+            h = aot.after_attention(layer, h, attend(layer.self_attn, q, k, v, cache, i, batch))
         else:
-            h = h + _mlp(layer.mlp, x)
+            h = h + attention(layer.self_attn, _norm(layer.input_layernorm, h), cos, sin, cache, i, batch)
+            x = _norm(layer.post_attention_layernorm, h)
+            if is_moe(layer):  # HF's sparse MoE block, keeping the routed expert ids (N, top_k)
+                _, weights, experts = layer.mlp.gate(x)
+                h = h + layer.mlp.experts(x, experts, weights)
+                routed.append(experts)
+            else:
+                h = h + _mlp(layer.mlp, x)
         if batch.visual is not None and i + 1 < len(batch.features):  # deepstack: vision features added early
             h[batch.visual] += batch.features[i + 1].to(h.dtype)
     logits = _linear(model.lm_head, _norm(inner.norm, h[batch.last]))

@@ -1,0 +1,136 @@
+"""The embedded engine's dense decoder layers as ahead-of-time compiled kernels (`--engine.compile aot`).
+
+Why: at the embedded engine's sizes a decode step is dozens of small eager ops per layer, each paying
+the dispatcher and a pass over memory. Exported once per model shape and compiled by AOTInductor, the
+part of a layer before attention (norm, q/k/v projections, q/k norms, RoPE) and the part after it
+(output projection, residual, norm, SwiGLU MLP, residual) each become one call of fused C++ loops
+around the same matmuls. The token count is a dynamic dimension, so one build serves prefill and
+decode steps of any size; the weights are inputs, so weight updates and a drain's second model need
+no rebuild. A build takes ~20 s and a C++ compiler; it is cached on disk by shape, dtype and torch
+version. Attention and the cache stay eager (`kv_model.attention`). The arithmetic is the eager
+layer's up to float rounding (fused loops sum in another order): not bit-identical to HF's forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def cache_dir() -> Path:
+    """Where builds are kept: $INSTAR_CACHE/aot, by default ~/.cache/instar/aot."""
+    return Path(os.environ.get("INSTAR_CACHE") or Path.home() / ".cache" / "instar") / "aot"
+
+
+class _Before(nn.Module):
+    """Input norm, q/k/v projections, q/k norms and RoPE (sin signed as in `kv_model.forward`)."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.eps = heads, kv_heads, head_dim, eps
+
+    def forward(self, h: torch.Tensor, norm: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, v_w: torch.Tensor,
+                q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+        n, d = h.shape[0], self.head_dim
+        x = F.rms_norm(h, h.shape[-1:], norm, self.eps)
+        q = F.rms_norm(F.linear(x, q_w).view(n, self.heads, d), (d,), q_norm, self.eps)
+        k = F.rms_norm(F.linear(x, k_w).view(n, self.kv_heads, d), (d,), k_norm, self.eps)
+        v = F.linear(x, v_w).view(n, self.kv_heads, d)
+        return q * cos + q.roll(d // 2, -1) * sin, k * cos + k.roll(d // 2, -1) * sin, v
+
+
+class _After(nn.Module):
+    """Output projection and residual, then the post-attention norm and SwiGLU MLP and residual."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, h: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, norm: torch.Tensor, gate_w: torch.Tensor,
+                up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
+        h = h + F.linear(o, o_w)
+        x = F.rms_norm(h, h.shape[-1:], norm, self.eps)
+        return h + F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)
+
+
+def compilable(layer: nn.Module) -> bool:
+    """A dense Qwen3 layer without projection biases and with the SiLU MLP: what `_Before` / `_After` compute."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *(getattr(mlp, n, None) for n in
+                                                                     ("gate_proj", "up_proj", "down_proj")))
+    return (all(m is not None and getattr(m, "bias", None) is None for m in linears)
+            and type(getattr(mlp, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"))
+
+
+def _before_weights(layer: nn.Module) -> tuple[torch.Tensor, ...]:
+    attn = layer.self_attn
+    return (layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+            attn.q_norm.weight, attn.k_norm.weight)
+
+
+def _after_weights(layer: nn.Module) -> tuple[torch.Tensor, ...]:
+    mlp = layer.mlp
+    return (layer.self_attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_proj.weight,
+            mlp.up_proj.weight, mlp.down_proj.weight)
+
+
+class AotLayers:
+    """The two compiled halves of every dense layer of a model (all share one build)."""
+
+    def __init__(self, before: Any, after: Any) -> None:
+        self.before, self.after = before, after
+
+    @classmethod
+    def load_or_build(cls, layer: nn.Module, eps: float) -> AotLayers:
+        """Compile (or load the cached build of) the halves for layers shaped like ``layer``."""
+        attn = layer.self_attn
+        d, (width, hidden) = attn.head_dim, attn.q_proj.weight.shape
+        heads, kv_heads = width // d, attn.k_proj.weight.shape[0] // d
+        dtype = attn.q_proj.weight.dtype
+        key = hashlib.sha256(repr((torch.__version__, heads, kv_heads, d, hidden, layer.mlp.gate_proj.weight.shape[0],
+                                   eps, str(dtype))).encode()).hexdigest()[:16]
+        tokens = torch.export.Dim("tokens", min=2, max=1 << 20)  # exporting specialises sizes 0 and 1
+        rows = lambda *widths: [torch.zeros(4, *w, dtype=dtype) for w in widths]  # noqa: E731
+        act, weight = {0: tokens}, None  # the activations' first dimension varies, the weights' shapes do not
+        parts = {"before": (_Before(heads, kv_heads, d, eps),
+                            (*rows((hidden,)), *_before_weights(layer), *rows((1, d), (1, d))),
+                            [act, *[weight] * 6, act, act]),
+                 "after": (_After(eps), (*rows((hidden,), (width,)), *_after_weights(layer)),
+                           [act, act, *[weight] * 5])}
+        loaded = []
+        for name, (module, example, dynamic) in parts.items():
+            path = cache_dir() / f"{key}-{name}.pt2"
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                example = tuple(t.detach() for t in example)
+                with warnings.catch_warnings(), tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                    warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecation notices, from inside
+                    program = torch.export.export(module, example, dynamic_shapes=dynamic)
+                    built = torch._inductor.aoti_compile_and_package(program, package_path=f"{tmp}/{name}.pt2")
+                    os.replace(built, path)  # atomic: engines may build at once
+            loaded.append(torch._inductor.aoti_load_package(str(path)))
+        return cls(*loaded)
+
+    def before_attention(self, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+        """Rotated q (N, heads, d), rotated k and v (N, kv_heads, d) of the packed hidden states ``h``."""
+        if h.shape[0] == 1:  # the build's token dimension starts at 2: the token twice, one result kept
+            return tuple(t[:1] for t in self.before_attention(layer, _twice(h), _twice(cos), _twice(sin)))
+        return self.before(h.contiguous(), *_before_weights(layer), cos.contiguous(), sin.contiguous())
+
+    def after_attention(self, layer: nn.Module, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its input ``h`` and attention's output ``o`` (N, heads * d)."""
+        if h.shape[0] == 1:
+            return self.after_attention(layer, _twice(h), _twice(o))[:1]
+        return self.after(h.contiguous(), o.contiguous(), *_after_weights(layer))
+
+
+def _twice(t: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t, t])

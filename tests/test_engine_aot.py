@@ -1,0 +1,97 @@
+"""`--engine.compile aot`: the embedded engine's dense layers as AOTInductor kernels, against the eager
+layer and HF transformers (greedy tokens, logprobs, a weight update, the build cache)."""
+
+import asyncio
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine import PROMPTS, dense, hf_greedy, hf_logprobs, perturbed, run_engine, swap_mid_turn  # noqa: F401
+from transformers import AutoModelForCausalLM
+
+from instar.config import EngineConfig
+from instar.contract import SamplingParams
+from instar.engines import EmbeddedEngine
+from instar.engines import kv_model as km
+from instar.engines.aot import AotLayers, cache_dir
+
+AOT = EngineConfig(compile="aot")
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 37])  # one token runs the build's smallest size (2) and keeps one
+def test_the_compiled_halves_equal_the_eager_layer(dense, tokens):  # noqa: F811
+    layer = km.decoder(dense).layers[1]
+    aot = km.aot_layers(dense)
+    g = torch.Generator().manual_seed(tokens)
+    width, hidden = layer.self_attn.q_proj.weight.shape
+    h, o = torch.randn(tokens, hidden, generator=g), torch.randn(tokens, width, generator=g)
+    positions = torch.arange(tokens)[None] + 5
+    with torch.inference_mode():
+        cos, sin = km.decoder(dense).rotary_emb(h, positions)
+        cos, sin = cos[0, :, None], sin[0, :, None]
+        half = sin.shape[-1] // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        q, k, v = aot.before_attention(layer, h, cos, sin)
+        attn, d = layer.self_attn, layer.self_attn.head_dim
+        x = km._norm(layer.input_layernorm, h)
+        want_q = km._norm(attn.q_norm, km._linear(attn.q_proj, x).view(tokens, -1, d))
+        want_k = km._norm(attn.k_norm, km._linear(attn.k_proj, x).view(tokens, -1, d))
+        want_v = km._linear(attn.v_proj, x).view(tokens, -1, d)
+        want_q = want_q * cos + want_q.roll(d // 2, -1) * sin
+        want_k = want_k * cos + want_k.roll(d // 2, -1) * sin
+        for got, want in ((q, want_q), (k, want_k), (v, want_v)):
+            assert got.shape == want.shape
+            assert (got - want).abs().max() < 1e-5
+        out = aot.after_attention(layer, h, o)
+        mid = h + km._linear(attn.o_proj, o)
+        want = mid + km._mlp(layer.mlp, km._norm(layer.post_attention_layernorm, mid))
+        assert (out - want).abs().max() < 1e-5
+
+
+def test_a_build_is_cached_by_shape(dense, tiny_heads4_dir):  # noqa: F811
+    km.aot_layers(dense)
+    builds = sorted(cache_dir().glob("*.pt2"))
+    stamps = [p.stat().st_mtime_ns for p in builds]
+    km.aot_layers(dense)  # loaded, not rebuilt
+    assert [p.stat().st_mtime_ns for p in sorted(cache_dir().glob("*.pt2"))] == stamps
+    other = AutoModelForCausalLM.from_pretrained(tiny_heads4_dir).eval()
+    km.aot_layers(other)  # another shape: two more files
+    assert len(list(cache_dir().glob("*.pt2"))) == len(builds) + 2
+    assert all(Path(p).parent == cache_dir() for p in builds) and os.environ["INSTAR_CACHE"] in str(cache_dir())
+
+
+def test_greedy_tokens_and_logprobs_match_hf(dense):  # noqa: F811
+    eos = dense.config.eos_token_id
+    params = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[eos])
+
+    async def body(engine):
+        assert isinstance(engine._aot, AotLayers)
+        return await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS))
+
+    for prompt, gen in zip(PROMPTS, run_engine(dense, body, AOT)):
+        assert gen.token_ids == hf_greedy(dense, prompt, 12)
+        assert (torch.tensor(gen.logprobs) - hf_logprobs(dense, prompt, gen.token_ids)).abs().max() < 1e-4
+
+
+def test_the_weights_are_inputs_a_weight_update_needs_no_rebuild(dense):  # noqa: F811
+    new_model = perturbed(dense)
+    prompt = PROMPTS[2]
+
+    async def body(engine):
+        return await swap_mid_turn(engine, "keep", new_model, prompt)
+
+    before, gen = run_engine(dense, body, AOT)
+    old_part, new_part = gen.token_ids[:before], gen.token_ids[before:]
+    assert old_part == hf_greedy(dense, prompt, before)
+    assert new_part == hf_greedy(new_model, prompt + old_part, 12 - before)
+    got = torch.tensor(gen.logprobs)
+    assert (got[before:] - hf_logprobs(new_model, prompt, gen.token_ids)[before:]).abs().max() < 1e-4
+
+
+def test_models_it_cannot_run_are_refused_and_moe_layers_stay_eager(dense, tiny_moe_dir):  # noqa: F811
+    with pytest.raises(ValueError, match="float32"):
+        EmbeddedEngine(copy.deepcopy(dense).to(torch.bfloat16), AOT)
+    moe = AutoModelForCausalLM.from_pretrained(tiny_moe_dir).eval()  # every layer sparse: nothing to compile
+    assert km.aot_layers(moe) is None
