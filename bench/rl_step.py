@@ -9,7 +9,8 @@ model's groups all score 0, so every advantage would be 0 and neither side would
 compute; here groups differ, as in a task the policy half solves. instar runs the real `instar rl`
 topology (Ray actors, the embedded engine, the agent runner and its env loop, an FSDP2 trainer rank,
 weight sync) in each mode: strictly on-policy (`--train.force_sync_mode`), async one step ahead (the
-default), and async with partial rollout.
+default), and async with partial rollout; its engine with `--engine.compile aot` unless told otherwise
+(`--engine-compile none`; the first run of a model shape builds the kernels before the timed steps).
 
 Both sides count completion tokens (sampled tokens, the end-of-turn token included) per second of
 the timed steps (the first --warmup steps of each are not timed); the bare loop runs before and after

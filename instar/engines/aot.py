@@ -6,8 +6,8 @@ part of a layer before attention (norm, q/k/v projections, q/k norms, RoPE) and 
 (output projection, residual, norm, SwiGLU MLP, residual) each become one call of fused C++ loops
 around the same matmuls. The token count is a dynamic dimension, so one build serves prefill and
 decode steps of any size; the weights are inputs, so weight updates and a drain's second model need
-no rebuild. A build takes ~20 s and a C++ compiler; it is cached on disk by shape, dtype and torch
-version. Attention and the cache stay eager (`kv_model.attention`). The arithmetic is the eager
+no rebuild. A build takes ~20 s and a C++ compiler; it is cached on disk by shape, dtype, thread count,
+machine and torch version. Attention and the cache stay eager (`kv_model.attention`). The arithmetic is the eager
 layer's up to float rounding (fused loops sum in another order): not bit-identical to HF's forward.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import tempfile
 import warnings
 from pathlib import Path
@@ -95,8 +96,10 @@ class AotLayers:
         d, (width, hidden) = attn.head_dim, attn.q_proj.weight.shape
         heads, kv_heads = width // d, attn.k_proj.weight.shape[0] // d
         dtype = attn.q_proj.weight.dtype
-        key = hashlib.sha256(repr((torch.__version__, heads, kv_heads, d, hidden, layer.mlp.gate_proj.weight.shape[0],
-                                   eps, str(dtype))).encode()).hexdigest()[:16]
+        # Built for this machine's CPU (-march=native) and thread count (baked into the kernels' loops).
+        key = hashlib.sha256(repr((torch.__version__, platform.node(), torch.get_num_threads(), heads, kv_heads, d,
+                                   hidden, layer.mlp.gate_proj.weight.shape[0], eps, str(dtype))).encode())
+        key = key.hexdigest()[:16]
         tokens = torch.export.Dim("tokens", min=2, max=1 << 20)  # exporting specialises sizes 0 and 1
         rows = lambda *widths: [torch.zeros(4, *w, dtype=dtype) for w in widths]  # noqa: E731
         act, weight = {0: tokens}, None  # the activations' first dimension varies, the weights' shapes do not
