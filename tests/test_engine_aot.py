@@ -95,3 +95,14 @@ def test_models_it_cannot_run_are_refused_and_moe_layers_stay_eager(dense, tiny_
         EmbeddedEngine(copy.deepcopy(dense).to(torch.bfloat16), AOT)
     moe = AutoModelForCausalLM.from_pretrained(tiny_moe_dir).eval()  # every layer sparse: nothing to compile
     assert km.aot_layers(moe) is None
+
+
+def test_a_failed_build_says_how_to_run_without_it(dense, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("INSTAR_CACHE", str(tmp_path))
+
+    def no_compiler(*args, **kwargs):
+        raise FileNotFoundError("g++")
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
+    with pytest.raises(RuntimeError, match="could not build its kernels.*g\\+\\+.*--engine.compile none"):
+        km.aot_layers(dense)
+    assert not list((tmp_path / "aot").iterdir())  # nothing half-written left behind

@@ -6,9 +6,10 @@ part of a layer before attention (norm, q/k/v projections, q/k norms, RoPE) and 
 (output projection, residual, norm, SwiGLU MLP, residual) each become one call of fused C++ loops
 around the same matmuls. The token count is a dynamic dimension, so one build serves prefill and
 decode steps of any size; the weights are inputs, so weight updates and a drain's second model need
-no rebuild. A build takes ~20 s and a C++ compiler; it is cached on disk by shape, dtype, thread count,
-machine and torch version. Attention and the cache stay eager (`kv_model.attention`). The arithmetic is the eager
-layer's up to float rounding (fused loops sum in another order): not bit-identical to HF's forward.
+no rebuild. A build takes ~20 s and a C++ compiler; it is cached on disk by shape, dtype, thread
+count, machine and torch version. Attention and the cache stay eager (`kv_model.attend`). The
+arithmetic is the eager layer's up to float rounding (fused loops sum in another order): not
+bit-identical to HF's forward.
 """
 
 from __future__ import annotations
@@ -116,8 +117,12 @@ class AotLayers:
                 example = tuple(t.detach() for t in example)
                 with warnings.catch_warnings(), tempfile.TemporaryDirectory(dir=path.parent) as tmp:
                     warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecation notices, from inside
-                    program = torch.export.export(module, example, dynamic_shapes=dynamic)
-                    built = torch._inductor.aoti_compile_and_package(program, package_path=f"{tmp}/{name}.pt2")
+                    try:
+                        program = torch.export.export(module, example, dynamic_shapes=dynamic)
+                        built = torch._inductor.aoti_compile_and_package(program, package_path=f"{tmp}/{name}.pt2")
+                    except Exception as error:  # most often: no C++ compiler or Python headers
+                        raise RuntimeError(f"--engine.compile aot could not build its kernels ({type(error).__name__}: "
+                                           f"{str(error)[:300]}); use --engine.compile none") from error
                     os.replace(built, path)  # atomic: engines may build at once
             loaded.append(torch._inductor.aoti_load_package(str(path)))
         return cls(*loaded)
