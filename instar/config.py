@@ -196,10 +196,7 @@ class EngineConfig:
     speculative_config: dict | None = None
     """vLLM speculative decoding settings, passed through unchanged."""
     compile: Literal["none", "aot"] = "none"
-    """Embedded engine: "aot" runs each dense layer's projections, norms, RoPE and MLP as two kernels
-    compiled ahead of time by AOTInductor (~15% less CPU a decode step on the demo's model; float32
-    only; needs a C++ compiler; the first run of a model shape builds them, ~20 s, cached under
-    ~/.cache/instar/aot or $INSTAR_CACHE). Not bit-identical to the eager forward (float rounding)."""
+    """Embedded engine: "aot" runs dense float32 layers as AOTInductor kernels (see instar/engines/aot.py)."""
     enable_sleep_mode: bool = False
     """Engines release their memory while the trainer runs (vLLM's sleep level 1: weights to host memory,
     KV cache freed; back at the weight sync), so engines and trainer fit on shared GPUs (--ray.placement
