@@ -10,7 +10,8 @@ compute; here groups differ, as in a task the policy half solves. instar runs th
 topology (Ray actors, the embedded engine, the agent runner and its env loop, an FSDP2 trainer rank,
 weight sync) in each mode: strictly on-policy (`--train.force_sync_mode`), async one step ahead (the
 default), and async with partial rollout; its engine with `--engine.compile aot` unless told otherwise
-(`--engine-compile none`; the first run of a model shape builds the kernels before the timed steps).
+(`--engine-compile none`), its trainer with `--fsdp.compile` when told (`--trainer-compile`); the untimed
+first steps build the kernels.
 
 Both sides count completion tokens (sampled tokens, the end-of-turn token included) per second of
 the timed steps (the first --warmup steps of each are not timed); the bare loop runs before and after
@@ -202,7 +203,7 @@ def instar_run(model_dir: str, prompts: str, agent: str, out: Path, args: argpar
     cfg.train.partial_rollout_enable = mode == "partial"
     cfg.ckpt.output_dir = str(out / f"run-{mode}")
     cfg.fsdp.num_ranks = args.ranks
-    cfg.engine.compile = args.engine_compile
+    cfg.engine.compile, cfg.fsdp.compile = args.engine_compile, args.trainer_compile
     with cpu_window(args.warmup, args.warmup + args.steps) as cpu:
         run(cfg)
     rows = [json.loads(line) for line in (out / f"run-{mode}/metrics.jsonl").read_text().splitlines()]
@@ -233,6 +234,8 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=1, help="instar's trainer ranks (--fsdp.num_ranks)")
     p.add_argument("--engine-compile", default="aot", choices=["none", "aot"],
                    help="instar's --engine.compile (aot: the dense layers AOT-compiled, built once per model shape)")
+    p.add_argument("--trainer-compile", default=False, action=argparse.BooleanOptionalAction,
+                   help="instar's --fsdp.compile (the trainer's dense layers through torch.compile)")
     p.add_argument("--bare-threads", type=int, default=2, help="torch threads of the bare loop (0: torch's default)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
@@ -245,7 +248,7 @@ def main() -> None:
         bare = {k: (before[k] + after[k]) / 2 for k in before}
     print(f"\nworkload: {args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, "
           f"model scale {args.scale}, {args.steps} timed steps after {args.warmup}; instar with --engine.compile "
-          f"{args.engine_compile}")
+          f"{args.engine_compile}, --fsdp.compile {str(args.trainer_compile).lower()}")
     print(f"bare loop: {bare['tokens_per_s']:8.0f} completion tokens/s, step {bare['step_s']:.3f} s "
           f"(generate {bare['generate_s']:.3f} s, train {bare['train_s']:.3f} s, {args.bare_threads} threads, "
           f"rows with no advantage {bare['forward_only']:.0%}; "

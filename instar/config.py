@@ -215,6 +215,8 @@ class FSDPConfig:
     """Compute dtype of FSDP2's mixed-precision policy (params reduce in float32)."""
     activation_checkpointing: bool = False
     """Recompute decoder-layer activations in backward to save memory."""
+    compile: bool = False
+    """torch.compile each dense decoder layer, attention left eager (the first step compiles: ~30 s on CPU)."""
     attn_implementation: Literal["auto", "packed", "sdpa", "eager", "flash_attention_2", "flex_attention"] = "auto"
     """Trainer attention over packed rows: packed (one causal SDPA call per sequence, no mask), flash_attention_2
     (varlen kernel; needs the flash-attn package and a GPU), flex_attention (a document mask, PyTorch's
@@ -241,8 +243,7 @@ class TrainConfig:
     """The RL loop."""
 
     agent_path: str = ""
-    """The agent: a Python file that exports `AgentRunner` (an Env or ChatAgent runner), or
-    `package.module:AttributeName` of an importable module."""
+    """The agent: a Python file exporting `AgentRunner` (an Env or ChatAgent runner), or `package.module:Name`."""
     max_steps: int = 100
     """Stop after this many optimizer steps."""
     async_queue_size: int = 1
@@ -301,8 +302,7 @@ class EvalConfig:
     """Evaluation during RL."""
 
     dataset: str | None = None
-    """Prompts to evaluate pass@k on: a file, directory or hub dataset name, as --data.prompt_dataset (its
-    --data.*_key columns)."""
+    """Prompts to evaluate pass@k on: a file, directory or hub dataset, as --data.prompt_dataset (--data.*_key)."""
     split: str = "test"
     """Split of an --eval.dataset directory or hub name (a single file is read whole)."""
     steps: int = 0

@@ -38,7 +38,7 @@ def apply_context_parallel(model: nn.Module, cp: int, tp: int, choice: str) -> N
     if heads % (tp * cp):
         raise ValueError(f"--fsdp.cp_size {cp} must divide each tp rank's {heads // tp} attention heads "
                          f"({heads} / --fsdp.tp_size {tp}); use a cp size that does")
-    AttentionInterface.register(ULYSSES, ulysses_attention)  # no mask function: transformers then builds none
+    AttentionInterface.register(ULYSSES, torch.compiler.disable(ulysses_attention))  # no mask function; eager
     model.config._attn_implementation = ULYSSES
 
 

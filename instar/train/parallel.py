@@ -1,6 +1,6 @@
 """How the trainer is sharded: the process group, the device mesh and its `Layout` (built once), and
 `parallelize`, the one entry that applies tensor, expert and context parallelism, activation
-checkpointing and FSDP2 to any model, in that order. The model code never sees any of it.
+checkpointing, torch.compile and FSDP2 to any model, in that order. The model code never sees any of it.
 
 The mesh is (dp, ep, cp, tp), row-major over the ranks: tp innermost (the ranks that exchange the
 most), then cp; dp x ep ranks see different samples, cp and tp ranks of one data shard the same.
@@ -23,7 +23,7 @@ from instar.checks import check_layout
 from instar.config import FSDPConfig
 from instar.train.context_parallel import apply_context_parallel
 from instar.train.expert_parallel import apply_expert_parallel, experts_modules
-from instar.train.model import DTYPES, decoder_layers, enable_activation_checkpointing
+from instar.train.model import DTYPES, compile_layers, decoder_layers, enable_activation_checkpointing
 from instar.train.tensor_parallel import apply_tensor_parallel
 
 
@@ -101,7 +101,7 @@ def build_layout(fsdp: FSDPConfig) -> Layout:
 
 
 def parallelize(model: nn.Module, layout: Layout, fsdp: FSDPConfig) -> nn.Module:
-    """TP, EP, CP, activation checkpointing, then FSDP2, in place. Parameters become DTensors with
+    """TP, EP, CP, activation checkpointing, compile, then FSDP2, in place. Parameters become DTensors with
     their HF names unchanged (plain tensors on a lone rank); `weight_sync` and `checkpoint` gather or
     reshard them by name."""
     check_layout(fsdp, model.config)
@@ -117,6 +117,8 @@ def parallelize(model: nn.Module, layout: Layout, fsdp: FSDPConfig) -> nn.Module
         apply_context_parallel(model, layout.size("cp"), layout.size("tp"), fsdp.attn_implementation)
     if fsdp.activation_checkpointing:
         enable_activation_checkpointing(model)
+    if fsdp.compile:
+        compile_layers(model)
     if layout.mesh.size() == 1 and fsdp.offload == "none" and fsdp.mixed_precision == "float32":
         return model  # FSDP on one rank would only add hooks around every layer: ~5% of an update on CPU
     return apply_fsdp(model, layout.fsdp_mesh(), fsdp, expert_mesh)
