@@ -82,6 +82,8 @@ def check_layout(fsdp: FSDPConfig, model: Any = None) -> None:
     if fsdp.data_size % ep:
         raise ConfigError(f"--fsdp.ep_size {ep} must divide the data-parallel ranks (--fsdp.num_ranks / (tp x cp) "
                           f"= {fsdp.data_size}); use --fsdp.num_ranks {ep * tp * cp} or a smaller --fsdp.ep_size")
+    if fsdp.compile and tp > 1:  # torch 2.13: the compiled layers' backward recurses without end over DTensors
+        raise ConfigError("--fsdp.compile does not run with --fsdp.tp_size > 1 yet; drop one of them")
     if model is None:
         return
     if getattr(model, "vision_config", None) is not None and tp * cp > 1:

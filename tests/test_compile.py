@@ -1,13 +1,14 @@
 """--fsdp.compile: the trainer's dense decoder layers through torch.compile train like eager ones (same
-logprobs, metrics and weights after 3 steps, within float32 reordering), on one rank and on two FSDP2
-ranks with activation checkpointing, and in `instar rl` beside the engine; MoE layers and vision blocks
-stay eager."""
+logprobs, metrics and weights after 3 steps, within float32 reordering), on one rank, on two FSDP2 ranks
+with activation checkpointing and on two context-parallel ranks, and in `instar rl` beside the engine;
+MoE layers and vision blocks stay eager; tensor parallelism with it is refused."""
 
 import pytest
 import torch
 from layouts import assert_same, check_equals_one_rank, make_sample, rl_two_steps, train_job
 
-from instar.config import FSDPConfig
+from instar.checks import check_layout
+from instar.config import ConfigError, FSDPConfig
 from instar.train.launch import free_port
 from instar.train.model import compile_layers, decoder_layers, load_model
 from instar.train.worker import TrainWorker
@@ -40,9 +41,10 @@ def test_compiled_layers_train_like_eager(tiny_heads4_dir, eager, monkeypatch):
 
 
 @pytest.mark.slow
-def test_compiled_fsdp_ranks_with_checkpointing_equal_one_rank(tiny_heads4_dir, eager, tmp_path):
-    check_equals_one_rank(tiny_heads4_dir, SAMPLES, eager, 2, {"compile": True, "activation_checkpointing": True},
-                          {"compile": True}, str(tmp_path / "ckpt"))
+@pytest.mark.parametrize("fsdp", [{"activation_checkpointing": True}, {"cp_size": 2}], ids=["fsdp2+ac", "cp2"])
+def test_compiled_two_ranks_equal_one_rank(tiny_heads4_dir, eager, tmp_path, fsdp):
+    check_equals_one_rank(tiny_heads4_dir, SAMPLES, eager, 2, {"compile": True, **fsdp}, {"compile": True},
+                          str(tmp_path / "ckpt"))
 
 
 @pytest.mark.slow
@@ -66,3 +68,9 @@ def test_moe_layers_and_vision_blocks_stay_eager(tiny_moe_dir, tiny_vlm_dir, tin
     assert {name: c for name, c in compiled[tiny_vlm_dir]} == {"Qwen3VLTextDecoderLayer": True,
                                                                "Qwen3VLVisionBlock": False}
     assert FSDPConfig().compile is False
+
+
+def test_tensor_parallel_with_compile_is_refused():
+    check_layout(FSDPConfig(num_ranks=2, cp_size=2, compile=True))  # context parallel compiles (measured equal)
+    with pytest.raises(ConfigError, match="--fsdp.compile does not run with --fsdp.tp_size > 1"):
+        check_layout(FSDPConfig(num_ranks=2, tp_size=2, compile=True))
