@@ -1,6 +1,6 @@
 """--fsdp.compile: the trainer's dense decoder layers through torch.compile train like eager ones (same
-logprobs, metrics and weights after 3 steps, within float32 reordering), on one rank, on two FSDP2 ranks
-with activation checkpointing and on two context-parallel ranks, and in `instar rl` beside the engine;
+logprobs, metrics and weights after 3 steps, within float32 reordering), on one rank, on two
+context-parallel FSDP2 ranks with activation checkpointing, and in `instar rl` beside the engine;
 MoE layers and vision blocks stay eager; tensor parallelism with it is refused."""
 
 import pytest
@@ -41,10 +41,10 @@ def test_compiled_layers_train_like_eager(tiny_heads4_dir, eager, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fsdp", [{"activation_checkpointing": True}, {"cp_size": 2}], ids=["fsdp2+ac", "cp2"])
-def test_compiled_two_ranks_equal_one_rank(tiny_heads4_dir, eager, tmp_path, fsdp):
-    check_equals_one_rank(tiny_heads4_dir, SAMPLES, eager, 2, {"compile": True, **fsdp}, {"compile": True},
-                          str(tmp_path / "ckpt"))
+def test_compiled_context_parallel_fsdp_ranks_with_checkpointing_equal_one_rank(tiny_heads4_dir, eager, tmp_path):
+    """Two ranks: cp 2, FSDP2 sharding over them, activation checkpointing; their checkpoint resumes eager."""
+    check_equals_one_rank(tiny_heads4_dir, SAMPLES, eager, 2,
+                          {"compile": True, "cp_size": 2, "activation_checkpointing": True}, {}, str(tmp_path / "ckpt"))
 
 
 @pytest.mark.slow
