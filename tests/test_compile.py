@@ -10,7 +10,8 @@ from layouts import assert_same, check_equals_one_rank, make_sample, rl_two_step
 from instar.checks import check_layout
 from instar.config import ConfigError, FSDPConfig
 from instar.train.launch import free_port
-from instar.train.model import compile_layers, decoder_layers, load_model
+from instar.train.model import decoder_layers, load_model
+from instar.train.parallel import compile_layers
 from instar.train.worker import TrainWorker
 
 LENGTHS = [7, 12, 5, 9, 3, 10, 4, 8]

@@ -143,7 +143,7 @@ def attention_for(path: str, choice: str = "auto") -> str:
     and, on CPU (where FlexAttention has no backward), packed unless the model uses a sliding window,
     then sdpa. A kernel that cannot run here is an error that names the fix."""
     from transformers import AttentionInterface, AutoConfig
-    # no mask function: transformers then builds none; eager under --fsdp.compile (see `compile_layers`)
+    # no mask function: transformers then builds none; eager under --fsdp.compile (see `parallel.compile_layers`)
     AttentionInterface.register(PACKED, torch.compiler.disable(packed_attention))
     gpu = torch.cuda.is_available()
     if choice == "auto":
@@ -234,20 +234,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
         raise ValueError(f"found no decoder layers in {type(model).__name__} (no _no_split_modules classes); "
                          "only HF transformers models are supported")
     return layers
-
-
-def compile_layers(model: nn.Module) -> None:
-    """`--fsdp.compile`: each dense decoder layer's forward through torch.compile, one graph for any token
-    count. Why: at small widths a layer is dozens of elementwise passes over memory (norms, RoPE, SwiGLU,
-    residuals, and their backward) between the matmuls; fused they cost ~10% less per update on CPU. The
-    packed attention stays eager (registered as such): it plans per row layout in Python, which a graph
-    would have to recompile for. MoE layers and vision blocks stay eager (data-dependent routing, per-image
-    Python). Hooks (FSDP2, the trainer's thread picking) run around the compiled forward."""
-    import torch._inductor.config as inductor
-    inductor.cpp.dynamic_threads = True  # kernels follow torch.set_num_threads: ranks lend cores mid-update
-    for layer in decoder_layers(model):
-        if hasattr(layer, "self_attn") and not any(name.endswith("experts") for name, _ in layer.named_modules()):
-            layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
