@@ -37,7 +37,7 @@ def test_compiled_layers_train_like_eager(tiny_heads4_dir, eager, monkeypatch):
     torch._dynamo.reset()
     frames = torch._dynamo.utils.counters["frames"]["ok"]
     assert_same(train_job(0, 1, free_port(), tiny_heads4_dir, {"compile": True}, SAMPLES, None), eager)
-    assert compiled and all(hasattr(f, "_torchdynamo_orig_callable") for f in compiled)
+    assert compiled and all(hasattr(f.compiled, "_torchdynamo_orig_callable") for f in compiled)
     assert torch._dynamo.utils.counters["frames"]["ok"] > frames  # graphs were built and run, not skipped
 
 
@@ -62,13 +62,41 @@ def test_moe_layers_and_vision_blocks_stay_eager(tiny_moe_dir, tiny_vlm_dir, tin
     for path in (tiny_moe_dir, tiny_vlm_dir, tiny_heads4_dir):
         model = load_model(str(path), "float32", "hf", "auto")
         compile_layers(model)
-        compiled[path] = [(type(layer).__name__, hasattr(layer.forward, "_torchdynamo_orig_callable"))
+        compiled[path] = [(type(layer).__name__, hasattr(layer.forward, "compiled"))
                           for layer in decoder_layers(model)]
     assert {c for _, c in compiled[tiny_moe_dir]} == {False}
     assert {c for _, c in compiled[tiny_heads4_dir]} == {True}
     assert {name: c for name, c in compiled[tiny_vlm_dir]} == {"Qwen3VLTextDecoderLayer": True,
                                                                "Qwen3VLVisionBlock": False}
     assert FSDPConfig().compile is False
+
+
+def test_thread_counts_and_grad_modes_share_one_graph(tiny_heads4_dir):
+    """A rank lends cores between layers (torch.set_num_threads): the compiled layers keep the graph they
+    built first for every thread count, run eager without gradients, and give the eager model's logits
+    and gradients."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 200, (2, 11))
+    ref, model = (load_model(str(tiny_heads4_dir)) for _ in range(2))
+    compile_layers(model)
+    torch._dynamo.reset()
+    graphs, threads = torch._dynamo.utils.counters["stats"], torch.get_num_threads()
+    try:
+        for k, (n, grad) in enumerate(((1, True), (2, True), (1, False), (2, False), (1, True))):
+            torch.set_num_threads(n)
+            with torch.set_grad_enabled(grad):
+                out, expect = model(ids).logits, ref(ids).logits
+            torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-5)
+            if grad:
+                out.square().mean().backward()
+                expect.square().mean().backward()
+            if k == 0:
+                built = graphs["unique_graphs"]
+    finally:
+        torch.set_num_threads(threads)
+    assert built > 0 and graphs["unique_graphs"] == built
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_tensor_parallel_with_compile_is_refused():

@@ -9,6 +9,7 @@ most), then cp; dp x ep ranks see different samples, cp and tp ranks of one data
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -130,12 +131,27 @@ def compile_layers(model: nn.Module) -> None:
     residuals, and their backward) between the matmuls; fused they cost ~10% less per update on CPU. The
     packed attention stays eager (registered as such): it plans per row layout in Python, which a graph
     would have to recompile for. MoE layers and vision blocks stay eager (data-dependent routing, per-image
-    Python). Hooks (FSDP2, the trainer's thread picking) run around the compiled forward."""
+    Python). Hooks (FSDP2, the trainer's thread picking) run around the compiled forward. Forwards without
+    gradients (logprob passes, zero-advantage rows) run eager: one graph, not one per grad mode."""
     import torch._inductor.config as inductor
     inductor.cpp.dynamic_threads = True  # kernels follow torch.set_num_threads: ranks lend cores mid-update
     for layer in decoder_layers(model):
         if hasattr(layer, "self_attn") and not experts_modules(layer):
-            layer.forward = torch.compile(layer.forward, dynamic=True)
+            layer.forward = _with_grad_compiled(layer.forward)
+
+
+def _with_grad_compiled(eager: Callable[..., Any]) -> Callable[..., Any]:
+    # Dynamo guards on its global state, the thread count included: a rank that lends cores between
+    # layers would recompile (~1.5 s each) for every new count. The kernels read the count as they run
+    # (dynamic_threads), and the rest of that state (grad mode aside: hence eager without gradients,
+    # autocast, deterministic algorithms, default dtype) is fixed for a run, so that guard is dropped.
+    compiled = torch.compile(eager, dynamic=True, options={"guard_filter_fn": lambda entries: [
+        e.guard_type != "GLOBAL_STATE" for e in entries]})
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return (compiled if torch.is_grad_enabled() else eager)(*args, **kwargs)
+    forward.compiled = compiled
+    return forward
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, expert_mesh: DeviceMesh | None = None,
