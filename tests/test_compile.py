@@ -1,7 +1,8 @@
 """--fsdp.compile: the trainer's dense decoder layers through torch.compile train like eager ones (same
 logprobs, metrics and weights after 3 steps, within float32 reordering), on one rank, on two
 context-parallel FSDP2 ranks with activation checkpointing, and in `instar rl` beside the engine;
-MoE layers and vision blocks stay eager; tensor parallelism with it is refused."""
+one graph serves every thread count a rank lends itself; MoE layers and vision blocks stay eager; tensor
+parallelism with it is refused."""
 
 import pytest
 import torch
