@@ -11,7 +11,9 @@ topology (Ray actors, the embedded engine, the agent runner and its env loop, an
 weight sync) in each mode: strictly on-policy (`--train.force_sync_mode`), async one step ahead (the
 default), and async with partial rollout; its engine with `--engine.compile aot` unless told otherwise
 (`--engine-compile none`), its trainer with `--fsdp.compile` when told (`--trainer-compile`); the untimed
-first steps build the kernels.
+first steps build the kernels. `--mixed-precision bfloat16` trains both sides in bf16 (instar's
+`--fsdp.mixed_precision`, float32 master weights; the bare loop under `torch.autocast`); both generate
+in float32.
 
 Both sides count completion tokens (sampled tokens, the end-of-turn token included) per second of
 the timed steps (the first --warmup steps of each are not timed); the bare loop runs before and after
@@ -116,7 +118,9 @@ def bare_loop(model_dir: str, prompts_path: str, args: argparse.Namespace) -> di
         live = adv != 0
         opt.zero_grad()
         if live.any():
-            logp = torch.log_softmax(model(input_ids=x[live], attention_mask=attn[live]).logits[:, :-1].float(), -1)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.mixed_precision == "bfloat16"):
+                logits = model(input_ids=x[live], attention_mask=attn[live]).logits
+            logp = torch.log_softmax(logits[:, :-1].float(), -1)
             logp = logp.gather(-1, x[live, 1:, None])[..., 0]
             loss = -(adv[live, None] * logp * act[live]).sum() / act.sum()
             loss.backward()
@@ -204,6 +208,7 @@ def instar_run(model_dir: str, prompts: str, agent: str, out: Path, args: argpar
     cfg.ckpt.output_dir = str(out / f"run-{mode}")
     cfg.fsdp.num_ranks = args.ranks
     cfg.engine.compile, cfg.fsdp.compile = args.engine_compile, args.trainer_compile
+    cfg.fsdp.mixed_precision = args.mixed_precision
     with cpu_window(args.warmup, args.warmup + args.steps) as cpu:
         run(cfg)
     rows = [json.loads(line) for line in (out / f"run-{mode}/metrics.jsonl").read_text().splitlines()]
@@ -236,6 +241,8 @@ def main() -> None:
                    help="instar's --engine.compile (aot: the dense layers AOT-compiled, built once per model shape)")
     p.add_argument("--trainer-compile", default=False, action=argparse.BooleanOptionalAction,
                    help="instar's --fsdp.compile (the trainer's dense layers through torch.compile)")
+    p.add_argument("--mixed-precision", default="float32", choices=["float32", "bfloat16"],
+                   help="the training compute dtype: instar's --fsdp.mixed_precision, autocast in the bare loop")
     p.add_argument("--bare-threads", type=int, default=2, help="torch threads of the bare loop (0: torch's default)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
@@ -248,7 +255,8 @@ def main() -> None:
         bare = {k: (before[k] + after[k]) / 2 for k in before}
     print(f"\nworkload: {args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, "
           f"model scale {args.scale}, {args.steps} timed steps after {args.warmup}; instar with --engine.compile "
-          f"{args.engine_compile}, --fsdp.compile {str(args.trainer_compile).lower()}")
+          f"{args.engine_compile}, --fsdp.compile {str(args.trainer_compile).lower()}; "
+          f"training in {args.mixed_precision}")
     print(f"bare loop: {bare['tokens_per_s']:8.0f} completion tokens/s, step {bare['step_s']:.3f} s "
           f"(generate {bare['generate_s']:.3f} s, train {bare['train_s']:.3f} s, {args.bare_threads} threads, "
           f"rows with no advantage {bare['forward_only']:.0%}; "

@@ -95,3 +95,25 @@ def test_packed_attention_equals_per_sequence_sdpa_with_gradients(lengths):
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     for g, t in zip(grads, (q, k, v)):
         torch.testing.assert_close(g, t.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_packed_attention_in_bfloat16_attends_in_float32():
+    """A bf16 model's packed attention on CPU (--fsdp.mixed_precision bfloat16) computes in float32 (CPU
+    SDPA is slow in bf16): its output and gradients are the float32 ones, rounded to bf16."""
+    from instar.train.model import Segments, packed_attention
+
+    gen = torch.Generator().manual_seed(0)
+    n, module = 12, torch.nn.Module().eval()
+    segments = Segments((0, 4, 8, 12), ((), (0,), (0,)))  # a prompt and two continuations that see it
+    q16, k16, v16 = (torch.randn(1, h, n, 8, generator=gen).bfloat16().requires_grad_() for h in (4, 2, 2))
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q16, k16, v16))
+    weight = torch.linspace(-1, 1, n * 4 * 8).view(1, n, 4, 8)
+    got, _ = packed_attention(module, q16, k16, v16, None, scaling=0.3, instar_segments=segments)
+    want, _ = packed_attention(module, q32, k32, v32, None, scaling=0.3, instar_segments=segments)
+    (got.float() * weight).sum().backward()
+    (want * weight.bfloat16().float()).sum().backward()
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want.bfloat16())
+    for low, high in ((q16, q32), (k16, k32), (v16, v32)):
+        assert low.grad.dtype == torch.bfloat16
+        assert torch.equal(low.grad, high.grad.bfloat16())
