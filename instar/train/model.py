@@ -61,7 +61,7 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     """
     if kwargs.get("sliding_window"):
         raise NotImplementedError("packed attention has no sliding window (load_model picks sdpa for such models)")
-    if query.device.type == "cpu" and query.dtype != torch.float32:
+    if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
         # bf16 pays in the matmuls around attention (~5x float32's rate on CPUs with AVX512-BF16), but CPU
         # SDPA in bf16 is slower than in float32 (its backward ~5x on a demo-sized row): attend in float32.
         out, _ = packed_attention(module, query.float(), key.float(), value.float(), attention_mask, scaling,
