@@ -313,12 +313,12 @@ def train_three_steps(model_dir: str, attn: str) -> dict:
     from instar.train.batch import collate, plan_micro_batches
     from instar.train.launch import free_port
     from instar.train.model import forward_logits, load_model, next_token_logprobs
-    from instar.train.parallel import apply_fsdp, build_mesh, device_type, init_distributed
+    from instar.train.parallel import apply_fsdp, build_layout, device_type, init_distributed
     fsdp = FSDPConfig(num_ranks=1, attn_implementation=attn)
     init_distributed(0, 1, "127.0.0.1", free_port())
     model = load_model(model_dir, "float32", "hf", attn)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    apply_fsdp(model, build_mesh(fsdp), fsdp)
+    apply_fsdp(model, build_layout(fsdp).fsdp_mesh(), fsdp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     samples = []
     for i, n in enumerate(TRAIN_LENGTHS):
