@@ -280,6 +280,21 @@ def test_a_group_sharing_one_prompt_computes_it_once(dense, enabled):
     assert len({tuple(g.token_ids) for g in group}) > 1  # four seeds, not one sample four times
 
 
+def test_a_group_whose_first_sample_ends_at_once_still_shares_its_prompt_exactly(dense):
+    """The group's first request computes the prompt and may end at its first token (max_tokens=1, or a
+    stop token); the others then still copy its keys/values, not those of the slot it leaves."""
+    async def body(engine):  # sixteen other prompts first: every slot of the cache holds other keys
+        await asyncio.gather(*(engine.generate([5 + i, *PROMPTS[1]], SamplingParams(max_tokens=4)) for i in range(16)))
+        first = engine.generate(PROMPTS[2], SamplingParams(temperature=1.0, max_tokens=1, seed=0))
+        rest = [engine.generate(PROMPTS[2], SamplingParams(temperature=1.0, max_tokens=3, seed=s)) for s in (1, 2, 3)]
+        return await asyncio.gather(first, *rest), dict(engine.stats)
+
+    group, stats = run_engine(dense, body)
+    assert stats["prefix_hit_tokens"] == 3 * (len(PROMPTS[2]) - 1)  # the three did copy the first's prompt
+    for g in group:
+        assert g.logprobs == pytest.approx(hf_logprobs(dense, PROMPTS[2], g.token_ids).tolist(), abs=1e-5)
+
+
 def test_short_request_joins_and_leaves_a_running_batch(dense):
     async def body(engine):
         long = asyncio.create_task(engine.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=40)))

@@ -253,7 +253,9 @@ class EmbeddedEngine:
             self._finish(request, "abort")
         self._compact()
         leaders: dict[tuple[int, ...], Request] = {}
-        twins: list[tuple[Request, Request]] = []  # (request, the one whose prompt it copies after this step)
+        # (request, the slot of the one whose prompt it copies after this step): a slot, since a leader that
+        # finishes at its first token (a stop token, max_tokens=1) leaves its slot (-1) in this step
+        twins: list[tuple[Request, int]] = []
         while self._queue and len(self._running) < self.cfg.max_num_seqs:
             request = self._queue.popleft()
             request.slot = len(self._running)
@@ -265,13 +267,13 @@ class EmbeddedEngine:
                 # a group's samples arrive together with one prompt: it is computed once, for the first
                 leader = leaders.setdefault(tuple(request.identity(request.prompt_len)), request)
                 if leader is not request:
-                    twins.append((request, leader))
+                    twins.append((request, leader.slot))
         waiting = {id(r) for r, _ in twins}
         for group in self._forward_groups():
             if group := [r for r in group if id(r) not in waiting] if waiting else group:
                 self._run(group)
-        for request, leader in twins:  # fed from the last prompt token on, at the next step
-            self._cache.copy(leader.slot, request.slot, request.prompt_len - 1)
+        for request, source in twins:  # fed from the last prompt token on, at the next step
+            self._cache.copy(source, request.slot, request.prompt_len - 1)
             request.cached = request.prompt_len - 1
             self.stats["prefix_hit_tokens"] += request.cached
         self._compact()  # after the twins' copies: a leader that finished may leave a hole
