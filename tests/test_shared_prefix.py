@@ -13,7 +13,15 @@ from layouts import TOL, full_state, rl_config
 from instar.config import ActorConfig, CriticConfig, FSDPConfig, TrainConfig
 from instar.contract import Sample
 from instar.runtime.batching import critic_loss, rl_loss
-from instar.train.batch import StepInputs, collate, plan_micro_batches, row_layout, shard_samples, tree_order
+from instar.train.batch import (
+    ROW_MULTIPLE,
+    StepInputs,
+    collate,
+    plan_micro_batches,
+    row_layout,
+    shard_samples,
+    tree_order,
+)
 from instar.train.launch import free_port, run_ranks
 from instar.train.model import Segments, _shared_plan, packed_attention
 from instar.train.worker import TrainWorker
@@ -106,14 +114,15 @@ RETURNS = [torch.linspace(-1, 1, len(s.token_ids)) for s in SAMPLES]
 UPDATES = [list(range(0, len(SAMPLES), 2)), list(range(1, len(SAMPLES), 2))]
 
 
-def _job(rank, world, port, model_dir, cp, share):
+def _job(rank, world, port, model_dir, cp, share, pad: int | None = None, mixed: str = "float32"):
     w = TrainWorker(ActorConfig(model_name_or_path=str(model_dir), learning_rate=1e-3, lr_warmup_steps=1),
-                    FSDPConfig(num_ranks=world, cp_size=cp),
+                    FSDPConfig(num_ranks=world, cp_size=cp, mixed_precision=mixed),
                     TrainConfig(max_tokens_per_gpu=512, max_steps=10, share_prefix=share),
                     critic=CriticConfig(learning_rate=1e-2))
     w.init(rank, world, "127.0.0.1", port)
-    mb = collate(SAMPLES, list(range(len(SAMPLES))), share=w.share_prefix)
-    out = {"row": mb.num_tokens, "initial": w.compute_logprobs(SAMPLES), "actor": [
+    chosen, w.pad_rows = w.pad_rows, pad or w.pad_rows
+    mb = collate(SAMPLES, list(range(len(SAMPLES))), share=w.share_prefix, pad_to=w.pad_rows)
+    out = {"row": mb.num_tokens, "pad_rows": chosen, "initial": w.compute_logprobs(SAMPLES), "actor": [
         w.train_policy(SAMPLES, partial(rl_loss, LENGTHS_RL, 0.0), StepInputs(advantages=ADVANTAGES),
                        updates=UPDATES).metrics for _ in range(3)]}
     out["logprobs"] = w.compute_logprobs(SAMPLES)
@@ -149,6 +158,20 @@ def test_shared_rows_train_like_plain_rows(tiny_heads4_dir, plain):
     assert shared["row"] < 0.7 * plain["row"]  # the prompts really were computed once per group
     assert any((a - b).abs().max() > 1e-3 for a, b in zip(plain["logprobs"], plain["initial"]))
     _assert_same(shared, plain)
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["plain", "shared"])
+def test_rows_padded_for_bf16_kernels_train_like_unpadded_rows(tiny_heads4_dir, plain, share):
+    """The padding a CPU bf16 trainer adds (a sequence nothing reads), here in float32 so the results
+    must be the unpadded ones up to float rounding."""
+    assert plain["pad_rows"] == 1  # float32 rows are not padded
+    padded = _job(0, 1, free_port(), tiny_heads4_dir, 1, share, pad=ROW_MULTIPLE)
+    assert padded["row"] % ROW_MULTIPLE == 0 and (padded["row"] > plain["row"] or share)
+    _assert_same(padded, plain)
+
+
+def test_a_cpu_bf16_trainer_pads_its_rows(tiny_heads4_dir):
+    assert _job(0, 1, free_port(), tiny_heads4_dir, 1, False, mixed="bfloat16")["pad_rows"] == ROW_MULTIPLE
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from instar.config import ActorConfig, CriticConfig, FSDPConfig, TrainConfig
 from instar.contract import Sample
 from instar.train import checkpoint, weight_sync
 from instar.train.batch import (
+    ROW_MULTIPLE,
     LossInputs,
     MicroBatch,
     StepInputs,
@@ -88,6 +89,8 @@ class TrainWorker:
         self.policy = self._load(a.model_name_or_path, freeze_routers if a.freeze_moe_router else None)
         # prefix-tree rows need attention that reads `Segments`: ours (packed, or packed inside Ulysses)
         self.share_prefix = self.train.share_prefix and self.policy.config._attn_implementation in (PACKED, ULYSSES)
+        bf16 = "bfloat16" in (self.fsdp.mixed_precision, a.dtype)
+        self.pad_rows = ROW_MULTIPLE if bf16 and self.device == "cpu" else 1
         self.optimizer = build_optimizer(self.policy, a.learning_rate, a.adam_betas, a.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, a.lr_warmup_steps, self.train.max_steps, a.lr_scheduler)
         self.ref = self._load(self.ref_path, lambda m: m.requires_grad_(False)) if self.ref_path else None
@@ -140,7 +143,8 @@ class TrainWorker:
                 if self.before_micro_batch is not None:
                     self.before_micro_batch()
                 self.threads_used.append(torch.get_num_threads())
-                mb = collate(samples, spare[min(k, len(spare) - 1)], inputs, self.device, indices, self.share_prefix)
+                mb = collate(samples, spare[min(k, len(spare) - 1)], inputs, self.device, indices, self.share_prefix,
+                             self.pad_rows)
                 yield mb, k >= len(plan), backward
 
     def _replay(self, model: nn.Module, mb: MicroBatch):
