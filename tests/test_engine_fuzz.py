@@ -1,0 +1,77 @@
+"""Random workloads on the embedded engine, checked against the model itself: every sampled token's logprob
+equals HF's teacher-forced one, and every turn ends for the reason its tokens give. Groups share prompts
+(prefix sharing), a tenth of the vocabulary stops a turn (so turns often end at their first token), sessions
+continue from their cached prefix, some requests are cancelled mid-turn, and a small engine queues requests
+and splits prefills: the paths where keys/values move between slots."""
+
+import asyncio
+import random
+
+import pytest
+from test_engine import hf_logprobs, run_engine
+from transformers import AutoModelForCausalLM
+
+from instar.config import EngineConfig
+from instar.contract import SamplingParams
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+
+
+def _prompt(rng: random.Random) -> list[int]:
+    return [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 20))]
+
+
+async def _workload(engine, rng: random.Random, stop: list[int]) -> list[tuple[list[int], object]]:
+    """Two waves of groups; the second continues some sessions of the first. Returns (prompt, generation)."""
+    done: list[tuple[list[int], object]] = []
+    sessions: dict[str, list[int]] = {}
+
+    async def one(prompt: list[int], session: str | None, cancel: bool) -> None:
+        params = SamplingParams(temperature=1.0, max_tokens=rng.randint(1, 8), stop_token_ids=stop,
+                                seed=rng.randrange(1 << 30))
+        call = engine.generate(prompt, params, session)
+        if cancel:  # gone after a step or two: the others must not notice
+            try:
+                await asyncio.wait_for(call, timeout=rng.uniform(0.0, 0.01))
+            except TimeoutError:
+                return
+            return
+        gen = await call
+        done.append((prompt, gen))
+        if session is not None:
+            sessions[session] = prompt + gen.token_ids
+
+    for wave in range(2):
+        calls = []
+        for g in range(rng.randint(4, 8)):
+            continued = [s for s in sessions if rng.random() < 0.5] if wave else []
+            if continued:  # the next turn of a session: its whole history plus a new message
+                session = continued[0]
+                prompt = sessions.pop(session) + _prompt(rng)
+                calls.append(one(prompt, session, False))
+                continue
+            prompt = _prompt(rng)
+            for k in range(rng.randint(2, 4)):  # a group: one prompt, several samples
+                calls.append(one(prompt, f"w{wave}-g{g}-{k}", rng.random() < 0.1))
+        await asyncio.gather(*calls)
+    return done
+
+
+@pytest.mark.parametrize("cfg", [EngineConfig(), EngineConfig(max_num_seqs=3, max_num_batched_tokens=16)],
+                         ids=["default", "small"])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_workloads_sample_exactly_the_models_distribution(model, cfg, seed):
+    rng = random.Random(seed)
+    stop = rng.sample(range(3, VOCAB), VOCAB // 10)
+    done = run_engine(model, lambda engine: _workload(engine, rng, stop), cfg)
+    assert len(done) > 10 and any(len(g.token_ids) == 1 for _, g in done)  # some ended at their first token
+    for prompt, gen in done:
+        assert gen.logprobs == pytest.approx(hf_logprobs(model, prompt, gen.token_ids).tolist(), abs=1e-4)
+        ended = gen.token_ids[-1] in stop
+        assert gen.finish_reason == ("stop" if ended else "length")
+        assert not any(t in stop for t in gen.token_ids[:-1])
