@@ -2,12 +2,15 @@
 equals HF's teacher-forced one, and every turn ends for the reason its tokens give. Groups share prompts
 (prefix sharing), a tenth of the vocabulary stops a turn (so turns often end at their first token), sessions
 continue from their cached prefix, some requests are cancelled mid-turn, and a small engine queues requests
-and splits prefills: the paths where keys/values move between slots."""
+and splits prefills: the paths where keys/values move between slots. With weight updates at random moments
+(pause keep or drain), each token's logprob is that of the weights its version names."""
 
 import asyncio
+import copy
 import random
 
 import pytest
+import torch
 from test_engine import hf_logprobs, run_engine
 from transformers import AutoModelForCausalLM
 
@@ -75,3 +78,41 @@ def test_random_workloads_sample_exactly_the_models_distribution(model, cfg, see
         ended = gen.token_ids[-1] in stop
         assert gen.finish_reason == ("stop" if ended else "length")
         assert not any(t in stop for t in gen.token_ids[:-1])
+
+
+def _moved(model, seed: int, scale: float = 0.05):
+    new = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return new
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_weight_updates_at_random_moments_keep_every_token_to_its_version(model, seed):
+    rng = random.Random(100 + seed)
+    stop = rng.sample(range(3, VOCAB), VOCAB // 20)
+    versions = [model, _moved(model, 1), _moved(model, 2)]
+    versions.append(versions[1])  # version 3 loads the weights of 1 again: a drain reuses its spare model
+    modes = []
+
+    async def body(engine):
+        async def trainer():  # three updates while the workload runs, each paused in a random mode
+            for v in (1, 2, 3):
+                for _ in range(rng.randint(1, 10)):  # the engine takes a step per turn of the event loop
+                    await asyncio.sleep(0)
+                modes.append(rng.choice(["keep", "drain"]))
+                await engine.pause(modes[-1])
+                await engine.update_weights(versions[v].named_parameters(), version=v)
+                await engine.resume()
+        done, _ = await asyncio.gather(_workload(engine, rng, stop), trainer())
+        return done
+
+    done = run_engine(model, body)
+    seen = {v for _, g in done for v in g.versions}
+    assert len(seen) > 1, (seen, modes)
+    for prompt, gen in done:
+        want = {v: hf_logprobs(versions[v], prompt, gen.token_ids) for v in set(gen.versions)}
+        got = [want[v][t].item() for t, v in enumerate(gen.versions)]
+        assert gen.logprobs == pytest.approx(got, abs=1e-4), (gen.versions, modes)
