@@ -276,7 +276,7 @@ def collate(samples: list[Sample], indices: list[int], step: StepInputs | None =
     i's index in the lists of ``step`` and in ``MicroBatch.indices`` (default: ``i``). ``share``: lay
     the row out as a prefix tree (`row_layout`); only attention that reads `Segments` can run it.
     ``pad_to``: the row grows to a multiple of it by a sequence of padding that nothing reads (see
-    `TrainWorker`: CPU bf16 matmuls build a kernel per new shape); not with images or routes."""
+    `ROW_MULTIPLE`); not with images or recorded routes."""
     names = [names[i] for i in indices] if names is not None else list(indices)
     rows = [samples[i] for i in indices]
     lengths = [len(s.token_ids) for s in rows]
