@@ -253,9 +253,7 @@ class EmbeddedEngine:
             self._finish(request, "abort")
         self._compact()
         leaders: dict[tuple[int, ...], Request] = {}
-        # (request, the slot of the one whose prompt it copies after this step): a slot, since a leader that
-        # finishes at its first token (a stop token, max_tokens=1) leaves its slot (-1) in this step
-        twins: list[tuple[Request, int]] = []
+        twins: list[tuple[Request, int]] = []  # (request, its leader's slot: a leader ending at once leaves it)
         while self._queue and len(self._running) < self.cfg.max_num_seqs:
             request = self._queue.popleft()
             request.slot = len(self._running)
