@@ -20,7 +20,9 @@ the timed steps (the first --warmup steps of each are not timed); the bare loop 
 instar's runs and its two figures are averaged (the load of a shared machine drifts over minutes). Under each
 mode: the CPU a step took over the timed steps, per role (engine, trainer, agent runner, driver, the rest of the
 machine), and the ratio the same work would give with every core busy all the time, a ceiling for better
-scheduling alone. The last line is `rl_ratio=<instar async / bare>`.
+scheduling alone; then the core-seconds the step's matmuls alone would take at one core's peak (measured in
+the run on a trainer-shaped product) and the ratio if that were all the step did: a ceiling for any
+implementation of the same arithmetic. The last line is `rl_ratio=<instar async / bare>`.
 
     OMP_NUM_THREADS=1 python bench/rl_step.py                          # 8 prompts x 8 samples x 48 tokens
     OMP_NUM_THREADS=1 python bench/rl_step.py --prompts 32 --new-tokens 256 --scale 10   # a 10x model
@@ -42,6 +44,7 @@ import torch
 
 from instar.config import RLConfig
 from instar.data.tiny_model import TinySpec, build_tiny_model
+from instar.train.model import DTYPES
 
 AGENT = '''
 from instar.agents import Env, Result, StepEnvRunner
@@ -137,6 +140,44 @@ def bare_loop(model_dir: str, prompts_path: str, args: argparse.Namespace) -> di
             "generate_s": gen_s / args.steps, "train_s": train_s / args.steps, "forward_only": idle_rows / args.steps}
 
 
+def matmul_work(model_dir: str, prompts_path: str, n_prompts: int) -> tuple[int, float]:
+    """The model's matmul weights (every linear layer and the head: 2 FLOPs each per token forward, 6 with
+    the backward; attention's own products left out) and the mean prompt length in tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tok = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    records = [json.loads(line) for line in Path(prompts_path).read_text().splitlines()][:n_prompts]
+    lengths = [len(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False)) for r in records]
+    return weights, statistics.mean(lengths)
+
+
+def matmul_peak(width: int, dtype: torch.dtype) -> float:
+    """FLOP/s of one thread on a trainer-shaped product, (3072, width) @ (width, 2 width), measured now."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    a, b = torch.randn(3072, width, dtype=dtype), torch.randn(width, 2 * width, dtype=dtype)
+    for _ in range(20):
+        a @ b
+    start, n = time.perf_counter(), 200
+    for _ in range(n):
+        a @ b
+    seconds = time.perf_counter() - start
+    torch.set_num_threads(threads)
+    return 2 * 3072 * width * 2 * width * n / seconds
+
+
+def floor_seconds(r: dict[str, float], weights: int, prompt_len: float, n_prompts: int, peaks: tuple[float, float],
+                  ) -> tuple[float, float]:
+    """Core-seconds a step's matmuls take at one core's peak: (engine, trainer). The engine computes each
+    group's prompt once and every sampled token; the trainer runs the same tokens forward and, but for the
+    forward-only rows, backward."""
+    tokens = r["tokens_per_step"] + n_prompts * prompt_len
+    passes = 6 * (1 - r["forward_only"]) + 2 * r["forward_only"]
+    return 2 * weights * tokens / peaks[0], passes * weights * tokens / peaks[1]
+
+
 ROLES = {"ray::EngineActor": "engine", "ray::_Rank": "trainer", "ray::AgentActor": "agent"}
 
 
@@ -221,7 +262,7 @@ def instar_run(model_dir: str, prompts: str, agent: str, out: Path, args: argpar
     engine = {k: statistics.mean(r.get(f"engine/{k}", 0.0) for r in timed)
               for k in ("idle_fraction", "rows_per_step", "step_ms")}
     cpu = {f"cpu_{k}": v / len(timed) for k, v in cpu.items()}  # core-seconds per timed step
-    return {"tokens_per_s": tokens / seconds, **split, **engine, **cpu,
+    return {"tokens_per_s": tokens / seconds, "tokens_per_step": tokens / len(timed), **split, **engine, **cpu,
             "forward_only": statistics.mean(r.get("actor/forward_only", 0.0) for r in timed),
             "agent_cpu": statistics.mean(r.get("agent/cpu_fraction", 0.0) for r in timed)}
 
@@ -248,6 +289,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d)
         model_dir, prompts, agent = build(out, args.scale, args.prompts)
+        weights, prompt_len = matmul_work(model_dir, prompts, args.prompts)
+        width = {1: 128, 10: 384}[args.scale]
+        peaks = (matmul_peak(width, torch.float32), matmul_peak(width, DTYPES[args.mixed_precision]))
         # the bare loop before and after instar's runs, averaged: load from other processes drifts over minutes
         before = bare_loop(model_dir, prompts, args)
         results = {mode: instar_run(model_dir, prompts, agent, out, args, mode) for mode in args.modes.split(",")}
@@ -276,6 +320,12 @@ def main() -> None:
             print(f"  core-seconds a step: {roles}; the machine {r['cpu_machine']:.3f} of {cores} x {r['cpu_wall']:.3f}"
                   f" ({r['cpu_machine'] / cores / r['cpu_wall']:.0%} busy): with every core busy this work takes "
                   f"{packed:.3f} s a step, ratio {ratio * r['cpu_wall'] / packed:.2f}")
+            engine, trainer = floor_seconds(r, weights, prompt_len, args.prompts, peaks)
+            trained = "" if args.mixed_precision == "float32" else f", the trainer's {peaks[1] / 1e9:.0f} in bf16"
+            print(f"  the matmuls alone at one core's peak ({peaks[0] / 1e9:.0f} GFLOP/s in float32{trained}, measured "
+                  f"now): engine {engine:.3f} + trainer {trainer:.3f} core-seconds a "
+                  f"step, {(engine + trainer) / r['cpu_machine']:.0%} of the machine's; with nothing else and every "
+                  f"core busy, ratio {ratio * r['cpu_wall'] / ((engine + trainer) / cores):.2f}")
     if "sync" in results and "async" in results:
         print(f"async_over_sync={results['async']['tokens_per_s'] / results['sync']['tokens_per_s']:.2f}")
     if "partial" in results and "async" in results:
