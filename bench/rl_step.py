@@ -140,9 +140,9 @@ def bare_loop(model_dir: str, prompts_path: str, args: argparse.Namespace) -> di
             "generate_s": gen_s / args.steps, "train_s": train_s / args.steps, "forward_only": idle_rows / args.steps}
 
 
-def matmul_work(model_dir: str, prompts_path: str, n_prompts: int) -> tuple[int, float]:
+def matmul_work(model_dir: str, prompts_path: str, n_prompts: int) -> tuple[int, float, int]:
     """The model's matmul weights (every linear layer and the head: 2 FLOPs each per token forward, 6 with
-    the backward; attention's own products left out) and the mean prompt length in tokens."""
+    the backward; attention's own products left out), the mean prompt length in tokens and the hidden width."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model, tok = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
@@ -150,7 +150,7 @@ def matmul_work(model_dir: str, prompts_path: str, n_prompts: int) -> tuple[int,
     records = [json.loads(line) for line in Path(prompts_path).read_text().splitlines()][:n_prompts]
     lengths = [len(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
                                            tokenize=True, return_dict=False)) for r in records]
-    return weights, statistics.mean(lengths)
+    return weights, statistics.mean(lengths), model.config.hidden_size
 
 
 def matmul_peak(width: int, dtype: torch.dtype) -> float:
@@ -289,8 +289,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d)
         model_dir, prompts, agent = build(out, args.scale, args.prompts)
-        weights, prompt_len = matmul_work(model_dir, prompts, args.prompts)
-        width = {1: 128, 10: 384}[args.scale]
+        weights, prompt_len, width = matmul_work(model_dir, prompts, args.prompts)
         peaks = (matmul_peak(width, torch.float32), matmul_peak(width, DTYPES[args.mixed_precision]))
         # the bare loop before and after instar's runs, averaged: load from other processes drifts over minutes
         before = bare_loop(model_dir, prompts, args)
