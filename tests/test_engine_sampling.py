@@ -74,3 +74,13 @@ def test_seeded_generators_reproduce_samples_row_by_row():
     # Unseeded rows (generator None) draw from torch's default generator and leave seeded rows alone.
     mixed = sample(LOGITS.expand(3, 6), params[:3], [None, torch.Generator().manual_seed(7), None])[0].tolist()
     assert mixed[1] == a[7]
+
+
+def test_a_draw_that_rounds_to_the_total_takes_the_last_token_with_probability(monkeypatch):
+    # u * total rounding up to the total lies past every cdf entry (simulated by u = 1); the token must be
+    # the last one the filter kept (top-k 2: token 1; no filter: token 3), never one past the vocabulary
+    monkeypatch.setattr(torch, "rand", lambda n: torch.ones(n))
+    logits = torch.tensor([[0.0, 0.0, -1.0, -2.0], [5.0, 0.0, 0.0, 0.0]])
+    tokens, logprobs = sample(logits, [SamplingParams(top_k=2), SamplingParams()], [None, None])
+    assert tokens.tolist() == [1, 3]
+    assert torch.isfinite(logprobs).all()

@@ -73,10 +73,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     # right=True skips zero-probability tokens (their cdf equals their predecessor's); the minimum guards
     # u * total rounding up to total, which would point past the last token with probability > 0.
     tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    tokens = torch.minimum(tokens, (cdf < cdf[:, -1:]).sum(dim=-1))
-    greedy = torch.tensor([p.temperature == 0 for p in params])
-    if greedy.any():
-        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
-    use_raw = greedy | (logprobs_mode == "raw")
+    if bool((tokens == cdf.shape[-1]).any()):  # rare: only then the pass over the whole cdf
+        tokens = torch.minimum(tokens, (cdf < cdf[:, -1:]).sum(dim=-1))
     pick = tokens[:, None]
+    if not any(p.temperature == 0 for p in params):
+        return tokens, (raw if logprobs_mode == "raw" else processed).gather(1, pick)[:, 0]
+    greedy = torch.tensor([p.temperature == 0 for p in params])
+    tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+    pick = tokens[:, None]
+    use_raw = greedy | (logprobs_mode == "raw")
     return tokens, torch.where(use_raw, raw.gather(1, pick)[:, 0], processed.gather(1, pick)[:, 0])
