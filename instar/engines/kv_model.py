@@ -152,25 +152,30 @@ def make_batch(cache: SlotCache, new_ids: list[list[int]], slots: list[int], pas
     separate groups, so a decode row is never padded to a prompt's length. A vision-language model's
     rows also give their rotary positions ``rope`` (3, new tokens) and, where new tokens are image
     tokens, ``images``: their indices in the row and their features (1 + levels, tokens, hidden)."""
-    lengths, past_t, slots_t = torch.tensor([len(ids) for ids in new_ids]), torch.tensor(past), torch.tensor(slots)
+    sizes = [len(ids) for ids in new_ids]
+    lengths, past_t, slots_t = torch.tensor(sizes), torch.tensor(past), torch.tensor(slots)
     ends = past_t + lengths
-    starts = lengths.cumsum(0) - lengths
-    row = torch.repeat_interleave(torch.arange(len(new_ids)), lengths)  # (N,) row of each packed token
-    positions = past_t[row] + torch.arange(len(row)) - starts[row]
-    cache.reserve(int(ends.max()), int(slots_t.max()) + 1)
+    decode = max(sizes) == 1  # a pure decode step: packed token b is row b's, at position past[b]
+    if decode:
+        starts, token_slots, positions = torch.arange(len(sizes)), slots_t, past_t
+    else:
+        starts = lengths.cumsum(0) - lengths
+        row = torch.repeat_interleave(torch.arange(len(new_ids)), lengths)  # (N,) row of each packed token
+        token_slots, positions = slots_t[row], past_t[row] + torch.arange(len(row)) - starts[row]
+    cache.reserve(int(ends.max()), max(slots) + 1)
     _, kv_heads, capacity, _ = cache.shape
-    write_index = ((slots_t[row][:, None] * kv_heads + torch.arange(kv_heads)) * capacity + positions[:, None])
+    write_index = ((token_slots[:, None] * kv_heads + torch.arange(kv_heads)) * capacity + positions[:, None])
     groups = []
-    if bool((lengths == 1).all()):  # pure decode step: no gathering at all
+    if decode:  # no gathering at all
         mask = (torch.arange(int(ends.max())) < ends[:, None])[:, None, None]
-        groups.append(AttentionGroup(slots_t, _first_slot(slots_t), mask, None, None))
+        groups.append(AttentionGroup(slots_t, _first_slot(slots), mask, None, None))
     else:
         for rows in ((lengths == 1).nonzero()[:, 0], (lengths > 1).nonzero()[:, 0]):
             if len(rows):
                 steps = torch.arange(int(lengths[rows].max()))
                 grid = starts[rows][:, None] + torch.minimum(steps, lengths[rows][:, None] - 1)
                 mask = (torch.arange(int(ends[rows].max())) <= positions[grid][:, :, None])[:, None]
-                groups.append(AttentionGroup(slots_t[rows], _first_slot(slots_t[rows]), mask, grid,
+                groups.append(AttentionGroup(slots_t[rows], _first_slot(slots_t[rows].tolist()), mask, grid,
                                              steps < lengths[rows][:, None]))
     tokens = torch.tensor([t for ids in new_ids for t in ids])
     batch = Batch(tokens, positions, write_index.reshape(-1), starts + lengths - 1, groups)
@@ -183,9 +188,8 @@ def make_batch(cache: SlotCache, new_ids: list[list[int]], slots: list[int], pas
     return batch
 
 
-def _first_slot(slots: torch.Tensor) -> int | None:
-    first = int(slots[0])
-    return first if bool((slots == torch.arange(first, first + len(slots))).all()) else None
+def _first_slot(slots: list[int]) -> int | None:
+    return slots[0] if slots == list(range(slots[0], slots[0] + len(slots))) else None
 
 
 def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
