@@ -17,15 +17,18 @@ in float32.
 
 Both sides count completion tokens (sampled tokens, the end-of-turn token included) per second of
 the timed steps (the first --warmup steps of each are not timed); the bare loop runs before and after
-instar's runs and its two figures are averaged (the load of a shared machine drifts over minutes). Under each
+instar's runs and its two figures are averaged (the speed of a shared machine drifts over minutes; on this
+2-core machine the bare loop has read 5.8k to 11.4k tokens/s on different days). `--rounds N` repeats instar's
+runs N times, a bare run between each two, and takes the median of the N ratios. Under each
 mode: the CPU a step took over the timed steps, per role (engine, trainer, agent runner, driver, the rest of the
 machine), and the ratio the same work would give with every core busy all the time, a ceiling for better
 scheduling alone; then the core-seconds the step's matmuls alone would take at one core's peak (measured in
 the run on a trainer-shaped product) and the ratio if that were all the step did: a ceiling for any
-implementation of the same arithmetic. The last line is `rl_ratio=<instar async / bare>`.
+implementation of the same arithmetic. The last line is `rl_ratio=<instar async / bare>` (the median over rounds).
 
     OMP_NUM_THREADS=1 python bench/rl_step.py                          # 8 prompts x 8 samples x 48 tokens
     OMP_NUM_THREADS=1 python bench/rl_step.py --prompts 32 --new-tokens 256 --scale 10   # a 10x model
+    OMP_NUM_THREADS=1 python bench/rl_step.py --modes async --rounds 5    # the median of 5 rounds
 """
 
 from __future__ import annotations
@@ -285,16 +288,21 @@ def main() -> None:
     p.add_argument("--mixed-precision", default="float32", choices=["float32", "bfloat16"],
                    help="the training compute dtype: instar's --fsdp.mixed_precision, autocast in the bare loop")
     p.add_argument("--bare-threads", type=int, default=2, help="torch threads of the bare loop (0: torch's default)")
+    p.add_argument("--rounds", type=int, default=1, help="instar's runs this many times, each between two runs of "
+                   "the bare loop; rl_ratio: the median of the rounds' ratios (the details printed: the last round)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         out = Path(d)
         model_dir, prompts, agent = build(out, args.scale, args.prompts)
         weights, prompt_len, width = matmul_work(model_dir, prompts, args.prompts)
         peaks = (matmul_peak(width, torch.float32), matmul_peak(width, DTYPES[args.mixed_precision]))
-        # the bare loop before and after instar's runs, averaged: load from other processes drifts over minutes
-        before = bare_loop(model_dir, prompts, args)
-        results = {mode: instar_run(model_dir, prompts, agent, out, args, mode) for mode in args.modes.split(",")}
-        after = bare_loop(model_dir, prompts, args)
+        # the bare loop before and after each round of instar's runs, averaged: the machine's speed drifts
+        bares, rounds = [bare_loop(model_dir, prompts, args)], []
+        for r in range(args.rounds):
+            rounds.append({mode: instar_run(model_dir, prompts, agent, out / f"round-{r}", args, mode)
+                           for mode in args.modes.split(",")})
+            bares.append(bare_loop(model_dir, prompts, args))
+        before, after, results = bares[-2], bares[-1], rounds[-1]  # the lines below: the last round
         bare = {k: (before[k] + after[k]) / 2 for k in before}
     print(f"\nworkload: {args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, "
           f"model scale {args.scale}, {args.steps} timed steps after {args.warmup}; instar with --engine.compile "
@@ -330,7 +338,13 @@ def main() -> None:
     if "partial" in results and "async" in results:
         print(f"partial_over_async={results['partial']['tokens_per_s'] / results['async']['tokens_per_s']:.2f}")
     main_mode = "async" if "async" in results else next(iter(results))
-    print(f"rl_ratio={results[main_mode]['tokens_per_s'] / bare['tokens_per_s']:.2f}")
+    ratios = [run[main_mode]["tokens_per_s"] / ((b0["tokens_per_s"] + b1["tokens_per_s"]) / 2)
+              for run, b0, b1 in zip(rounds, bares, bares[1:])]
+    if len(ratios) > 1:
+        print(f"{main_mode} by round (bare loop around it): " + ", ".join(
+            f"{run[main_mode]['tokens_per_s']:.0f} / {(b0['tokens_per_s'] + b1['tokens_per_s']) / 2:.0f} = {q:.2f}"
+            for run, b0, b1, q in zip(rounds, bares, bares[1:], ratios)))
+    print(f"rl_ratio={statistics.median(ratios):.2f}")
 
 
 if __name__ == "__main__":
