@@ -179,7 +179,7 @@ def test_weight_update_during_drain_lets_running_turns_finish_on_the_old_weights
                 both_ran |= len(engine._running) == 2
                 await asyncio.sleep(0)
 
-        task = asyncio.create_task(engine.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=12)))
+        task = asyncio.create_task(engine.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=64)))
         while not engine._running or engine._running[0].num_sampled < 4:
             await asyncio.sleep(0)
         await engine.pause("drain")
@@ -189,7 +189,7 @@ def test_weight_update_during_drain_lets_running_turns_finish_on_the_old_weights
         return await task, await later, both_ran, engine.version, engine._previous
 
     gen, later, both_ran, version, previous = run_engine(dense, body)
-    assert gen.versions == [0] * 12 and gen.token_ids == hf_greedy(dense, PROMPTS[2], 12)
+    assert gen.versions == [0] * 64 and gen.token_ids == hf_greedy(dense, PROMPTS[2], 64)
     assert (torch.tensor(gen.logprobs) - hf_logprobs(dense, PROMPTS[2], gen.token_ids)).abs().max() < 1e-4
     assert later.versions == [1] * 6 and later.token_ids == hf_greedy(new_model, PROMPTS[0], 6)
     assert (torch.tensor(later.logprobs) - hf_logprobs(new_model, PROMPTS[0], later.token_ids)).abs().max() < 1e-4

@@ -15,7 +15,7 @@ arithmetic is HF's; only attention and the cache are written here.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -119,11 +119,11 @@ class AttentionGroup:
     mask: torch.Tensor  # (rows, 1, T, span) bool: key position <= query position
     grid: torch.Tensor | None  # (rows, T), padding repeats a row's last token; None: T = 1 and rows = packed order
     valid: torch.Tensor | None  # (rows, T) bool: grid entries that are real tokens; None: all are
-    _bias: torch.Tensor | None = None
+    _bias: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def decode_bias(self, heads: int) -> torch.Tensor:
-        """The mask of single-token rows as 0 / -inf to add to their scores, (rows * kv_heads, heads per kv
-        head, span): built once per step, on the first layer, for all of them."""
+        """The mask of single-token rows as 0 / -inf to add to their scores, (rows, heads, span): built
+        once per step, at the first layer, for every layer."""
         if self._bias is None:
             rows, span = self.mask.shape[0], self.mask.shape[-1]
             self._bias = torch.zeros(rows, heads, span).masked_fill_(~self.mask[:, 0], float("-inf"))

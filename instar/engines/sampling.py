@@ -75,11 +75,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     if bool((tokens == cdf.shape[-1]).any()):  # rare: only then the pass over the whole cdf
         tokens = torch.minimum(tokens, (cdf < cdf[:, -1:]).sum(dim=-1))
-    pick = tokens[:, None]
-    if not any(p.temperature == 0 for p in params):
-        return tokens, (raw if logprobs_mode == "raw" else processed).gather(1, pick)[:, 0]
-    greedy = torch.tensor([p.temperature == 0 for p in params])
-    tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
-    pick = tokens[:, None]
-    use_raw = greedy | (logprobs_mode == "raw")
-    return tokens, torch.where(use_raw, raw.gather(1, pick)[:, 0], processed.gather(1, pick)[:, 0])
+    if any(p.temperature == 0 for p in params):
+        greedy = torch.tensor([p.temperature == 0 for p in params])
+        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+        use_raw, pick = greedy | (logprobs_mode == "raw"), tokens[:, None]
+        return tokens, torch.where(use_raw, raw.gather(1, pick)[:, 0], processed.gather(1, pick)[:, 0])
+    return tokens, (raw if logprobs_mode == "raw" else processed).gather(1, tokens[:, None])[:, 0]
