@@ -1,6 +1,7 @@
 """The trainer ranks as a 2-rank Ray actor group: calls fan out, samples come back in input order."""
 
 import asyncio
+import os
 from functools import partial
 
 import pytest
@@ -62,6 +63,8 @@ def test_a_rank_beside_the_engines_computes_with_every_core_while_nothing_genera
     flag = GenerationFlag()
     rank = _Rank(ActorConfig(model_name_or_path=str(tiny_model_dir)), FSDPConfig(num_ranks=1),
                  TrainConfig(max_tokens_per_gpu=16), cpu_share=2, idle_share=1, generation=flag.path)
+    flag.unlink()  # as the driver does once the ranks are up: the rank reads it all the same
+    assert not os.path.exists(flag.path)
     try:
         rank.init(0, 1, "127.0.0.1", free_port())
         samples = [_sample(n, i) for i, n in enumerate([9, 4, 12, 6, 5])]  # 3 micro-batches of <= 16 tokens

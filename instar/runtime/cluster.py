@@ -106,6 +106,8 @@ class Cluster:
         self.trainer = await TrainerGroup.start(cfg, ref_path=(cfg.actor.ref_model_name_or_path or model)
                                                 if self.has_ref else None, critic=self.has_critic,
                                                 slots=where.ranks, generation=self.generation and self.generation.path)
+        if self.generation is not None:
+            self.generation.unlink()  # every rank has it open now
         if self.engines:
             await self._open_weight_sync()
         return self

@@ -46,10 +46,16 @@ class GenerationFlag:
     def is_set(self) -> bool:
         return os.pread(self.fd, 1, 0) == b"1"
 
-    def close(self) -> None:
-        os.close(self.fd)
+    def unlink(self) -> None:
+        """Drop the file's name once every rank holds it open (they keep it alive): a run killed later
+        leaves nothing behind in /dev/shm."""
         if self.owner:
             os.unlink(self.path)
+            self.owner = False
+
+    def close(self) -> None:
+        os.close(self.fd)
+        self.unlink()
 
 
 def free_port() -> int:
