@@ -338,12 +338,11 @@ def main() -> None:
     if "partial" in results and "async" in results:
         print(f"partial_over_async={results['partial']['tokens_per_s'] / results['async']['tokens_per_s']:.2f}")
     main_mode = "async" if "async" in results else next(iter(results))
-    ratios = [run[main_mode]["tokens_per_s"] / ((b0["tokens_per_s"] + b1["tokens_per_s"]) / 2)
-              for run, b0, b1 in zip(rounds, bares, bares[1:])]
+    around = [(b0["tokens_per_s"] + b1["tokens_per_s"]) / 2 for b0, b1 in zip(bares, bares[1:])]
+    ratios = [run[main_mode]["tokens_per_s"] / b for run, b in zip(rounds, around)]
     if len(ratios) > 1:
         print(f"{main_mode} by round (bare loop around it): " + ", ".join(
-            f"{run[main_mode]['tokens_per_s']:.0f} / {(b0['tokens_per_s'] + b1['tokens_per_s']) / 2:.0f} = {q:.2f}"
-            for run, b0, b1, q in zip(rounds, bares, bares[1:], ratios)))
+            f"{run[main_mode]['tokens_per_s']:.0f} / {b:.0f} = {q:.2f}" for run, b, q in zip(rounds, around, ratios)))
     print(f"rl_ratio={statistics.median(ratios):.2f}")
 
 

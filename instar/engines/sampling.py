@@ -75,8 +75,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     if bool((tokens == cdf.shape[-1]).any()):  # rare: only then the pass over the whole cdf
         tokens = torch.minimum(tokens, (cdf < cdf[:, -1:]).sum(dim=-1))
-    if any(p.temperature == 0 for p in params):
-        greedy = torch.tensor([p.temperature == 0 for p in params])
+    greedy_rows = [p.temperature == 0 for p in params]
+    if any(greedy_rows):
+        greedy = torch.tensor(greedy_rows)
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
         use_raw, pick = greedy | (logprobs_mode == "raw"), tokens[:, None]
         return tokens, torch.where(use_raw, raw.gather(1, pick)[:, 0], processed.gather(1, pick)[:, 0])
