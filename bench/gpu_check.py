@@ -311,11 +311,11 @@ def train_three_steps(model_dir: str, attn: str) -> dict:
     from instar.config import FSDPConfig
     from instar.contract import Sample
     from instar.train.batch import collate, plan_micro_batches
-    from instar.train.launch import free_port
+    from instar.train.launch import reserve_port
     from instar.train.model import forward_logits, load_model, next_token_logprobs
     from instar.train.parallel import apply_fsdp, build_layout, device_type, init_distributed
     fsdp = FSDPConfig(num_ranks=1, attn_implementation=attn)
-    init_distributed(0, 1, "127.0.0.1", free_port())
+    init_distributed(0, 1, "127.0.0.1", reserve_port())
     model = load_model(model_dir, "float32", "hf", attn)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     apply_fsdp(model, build_layout(fsdp).fsdp_mesh(), fsdp)

@@ -75,8 +75,8 @@ def rank_job(rank: int, world: int, port: int, path: str) -> dict[str, float]:
     from instar.train.load import materialize, meta_model
     from instar.train.model import forward_logits, next_token_logprobs
     from instar.train.optim import build_optimizer
-    from instar.train.parallel import apply_fsdp
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from instar.train.parallel import apply_fsdp, init_distributed
+    init_distributed(rank, world, "127.0.0.1", port)
     meta_model(path, "float32", "packed")  # imports the model code: the baseline holds every import, no weights
     reset_peak()
     base = rss()

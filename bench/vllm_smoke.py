@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import sys
 import tempfile
 import threading
@@ -34,6 +33,7 @@ from instar.config import EngineConfig
 from instar.contract import SamplingParams
 from instar.data.tiny_model import TinySpec, build_tiny_model
 from instar.engines.vllm import VLLMEngine
+from instar.train.launch import reserve_port
 from instar.train.weight_sync import open_sync_group, receive_weights, send_weights
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -98,9 +98,7 @@ async def check_broadcast(engine, b, tol, tp):
     device = "cuda" if torch.cuda.device_count() >= 2 else "cpu"  # NCCL refuses two ranks on one GPU
     if device == "cuda":
         torch.cuda.set_device(torch.cuda.device_count() - 1)  # the trainer side; vLLM holds GPU 0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = reserve_port()
     box: dict = {}
     opener = threading.Thread(target=lambda: box.update(group=open_sync_group("127.0.0.1", port, 0, 1 + tp,
                                                                              device=device)))

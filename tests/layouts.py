@@ -15,7 +15,7 @@ from instar.contract import Sample
 from instar.runtime.batching import rl_loss
 from instar.train import checkpoint
 from instar.train.batch import StepInputs
-from instar.train.launch import free_port, run_ranks
+from instar.train.launch import reserve_port, run_ranks
 from instar.train.worker import TrainWorker
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}  # float32 sums in another order (sharded matmuls, all-reduces, all-to-alls)
@@ -104,7 +104,7 @@ def check_equals_one_rank(model_dir, samples: list[Sample], one_rank: dict, worl
     assert_same(results[0], one_rank)  # the full state dict is gathered on rank 0
     for r in results[1:]:
         assert_same({**r, "state": results[0]["state"]}, one_rank)
-    resumed = [resume_job(0, 1, free_port(), model_dir, {}, samples, ckpt_dir),
+    resumed = [resume_job(0, 1, reserve_port(), model_dir, {}, samples, ckpt_dir),
                run_ranks(resume_job, 2, model_dir, other, samples, ckpt_dir, timeout=600)[0]]
     for r in resumed:
         assert r["extra"] == {"layout": (world, fsdp)}

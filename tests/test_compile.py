@@ -10,7 +10,7 @@ from layouts import assert_same, check_equals_one_rank, make_sample, rl_two_step
 
 from instar.checks import check_layout
 from instar.config import ConfigError, FSDPConfig
-from instar.train.launch import free_port
+from instar.train.launch import reserve_port
 from instar.train.model import decoder_layers, load_model
 from instar.train.parallel import compile_layers
 from instar.train.worker import TrainWorker
@@ -21,7 +21,7 @@ SAMPLES = [make_sample(n, i) for i, n in enumerate(LENGTHS)]
 
 @pytest.fixture(scope="module")
 def eager(tiny_heads4_dir):
-    return train_job(0, 1, free_port(), tiny_heads4_dir, {}, SAMPLES, None)
+    return train_job(0, 1, reserve_port(), tiny_heads4_dir, {}, SAMPLES, None)
 
 
 @pytest.mark.slow
@@ -37,7 +37,7 @@ def test_compiled_layers_train_like_eager(tiny_heads4_dir, eager, monkeypatch):
     monkeypatch.setattr(TrainWorker, "_load", load)
     torch._dynamo.reset()
     frames = torch._dynamo.utils.counters["frames"]["ok"]
-    assert_same(train_job(0, 1, free_port(), tiny_heads4_dir, {"compile": True}, SAMPLES, None), eager)
+    assert_same(train_job(0, 1, reserve_port(), tiny_heads4_dir, {"compile": True}, SAMPLES, None), eager)
     assert compiled and all(hasattr(f.compiled, "_torchdynamo_orig_callable") for f in compiled)
     assert torch._dynamo.utils.counters["frames"]["ok"] > frames  # graphs were built and run, not skipped
 

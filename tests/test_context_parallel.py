@@ -16,7 +16,7 @@ from instar.data.tiny_model import TinySpec, build_tiny_model
 from instar.runtime.batching import critic_loss, rl_loss
 from instar.train.batch import StepInputs, plan_micro_batches
 from instar.train.context_parallel import ULYSSES, apply_context_parallel
-from instar.train.launch import free_port, run_ranks
+from instar.train.launch import reserve_port, run_ranks
 from instar.train.worker import TrainWorker
 
 LENGTHS = [7, 12, 5, 9, 3, 10, 4, 9]
@@ -54,7 +54,7 @@ def model_dir(tiny_heads4_dir):
 
 @pytest.fixture(scope="module")
 def one_rank(model_dir):
-    return _job(0, 1, free_port(), model_dir, 1, 1)
+    return _job(0, 1, reserve_port(), model_dir, 1, 1)
 
 
 def test_rows_split_unevenly_and_through_sequences():
@@ -103,7 +103,7 @@ def test_replayed_routes_follow_their_tokens_to_the_chunk(tmp_path):
     model_dir = build_tiny_model(tmp_path, TinySpec(moe=True, heads=4, kv_heads=2))  # 2 layers of 4 experts, top-2
     g = torch.Generator().manual_seed(0)
     routes = [(torch.randint(0, 4, (n, 2, 1), generator=g) + torch.arange(2)) % 4 for n in LENGTHS]  # 2 distinct
-    one = _replay_job(0, 1, free_port(), model_dir, 1, routes)
+    one = _replay_job(0, 1, reserve_port(), model_dir, 1, routes)
     for got in run_ranks(_replay_job, 2, model_dir, 2, routes, timeout=600):
         for a, b in zip(got, one, strict=True):
             torch.testing.assert_close(a, b, **TOL)

@@ -11,7 +11,7 @@ from routes import record_routes
 
 from instar.checks import check_layout
 from instar.config import ConfigError, FSDPConfig
-from instar.train.launch import free_port, run_ranks
+from instar.train.launch import reserve_port, run_ranks
 from instar.train.model import forward_logits
 from instar.train.moe import replay_routes, routers
 
@@ -41,7 +41,7 @@ def _replay_job(rank, world, port, model_dir, ep):
 
 @pytest.fixture(scope="module")
 def one_rank(tiny_moe_dir):
-    return train_job(0, 1, free_port(), tiny_moe_dir, {}, SAMPLES, None)
+    return train_job(0, 1, reserve_port(), tiny_moe_dir, {}, SAMPLES, None)
 
 
 @pytest.mark.parametrize("world, fsdp, other", [(2, {"ep_size": 2}, {}), (4, {"ep_size": 2}, {"ep_size": 2})],
@@ -52,7 +52,7 @@ def test_expert_parallel_equals_one_rank(tiny_moe_dir, one_rank, tmp_path, world
 
 
 def test_routing_replay_and_frozen_routers_under_expert_parallel(tiny_moe_dir):
-    want = _replay_job(0, 1, free_port(), tiny_moe_dir, 1)
+    want = _replay_job(0, 1, reserve_port(), tiny_moe_dir, 1)
     results = run_ranks(_replay_job, 2, tiny_moe_dir, 2, timeout=600)
     for r in results:
         for replayed, recorded in r["recorded"]:
@@ -66,7 +66,7 @@ def test_routing_replay_and_frozen_routers_under_expert_parallel(tiny_moe_dir):
 
 
 def _own_routes(model_dir) -> list[torch.Tensor]:
-    w = make_worker(model_dir, 0, 1, free_port(), {})
+    w = make_worker(model_dir, 0, 1, reserve_port(), {})
     try:
         return w.compute_logprobs(SAMPLES)
     finally:

@@ -16,9 +16,10 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from instar.train.launch import free_port, run_ranks
+from instar.train.launch import reserve_port, run_ranks
 from instar.train.load import ReadStats, Source, local_index, materialize, meta_model
 from instar.train.model import ValueModel, attention_for, decoder_layers, load_model
+from instar.train.parallel import init_distributed
 
 IDS = torch.tensor([[5, 77, 301, 9, 42, 260, 17, 3, 99, 400, 12, 8]])
 POS = torch.arange(12)[None]
@@ -78,7 +79,7 @@ def test_materialized_meta_model_equals_load_model(tiny_model_dir, tiny_moe_dir,
 
 
 def _fsdp_job(rank, world, port, paths):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_distributed(rank, world, "127.0.0.1", port)
     mesh = init_device_mesh("cpu", (world,))
     out = {}
     for path, critic in [(paths[0], False), (paths[1], False), (paths[0], True)]:
@@ -98,7 +99,10 @@ def _fsdp_job(rank, world, port, paths):
 def test_sharded_load_equals_load_model(tiny_model_dir, tiny_moe_dir, world):
     paths = (str(tiny_model_dir), str(tiny_moe_dir))
     # one rank runs in this process (saves a process start); the job destroys its process group
-    results = [_fsdp_job(0, 1, free_port(), paths)] if world == 1 else run_ranks(_fsdp_job, world, paths, timeout=300)
+    if world == 1:
+        results = [_fsdp_job(0, 1, reserve_port(), paths)]
+    else:
+        results = run_ranks(_fsdp_job, world, paths, timeout=300)
     for (path, critic), got in results[0].items():
         assert got["keys"] and got["differ"] == [], (path, critic)
         assert torch.equal(*got["out"]) and got["tied"]
@@ -118,7 +122,7 @@ PLACEMENTS = [  # (mesh shape, tensor shape, placements): uneven splits, empty s
 
 
 def _layout_job(rank, world, port, path, table_file):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_distributed(rank, world, "127.0.0.1", port)
     checks = []
     for k, (mesh_shape, shape, placements) in enumerate(PLACEMENTS):
         full = torch.arange(float(torch.Size(shape).numel())).view(shape)

@@ -7,7 +7,7 @@ from layouts import check_equals_one_rank, make_sample, rl_two_steps, train_job
 
 from instar.checks import check_layout
 from instar.config import ConfigError, FSDPConfig
-from instar.train.launch import free_port
+from instar.train.launch import reserve_port
 
 LENGTHS = [7, 12, 5, 9, 3, 10, 4, 8]
 SAMPLES = [make_sample(n, i) for i, n in enumerate(LENGTHS)]
@@ -20,7 +20,7 @@ def model_dir(tiny_heads4_dir):
 
 @pytest.fixture(scope="module")
 def one_rank(model_dir):
-    return train_job(0, 1, free_port(), model_dir, {}, SAMPLES, None)
+    return train_job(0, 1, reserve_port(), model_dir, {}, SAMPLES, None)
 
 
 @pytest.mark.parametrize("world, fsdp, other", [(2, {"tp_size": 2}, {}), (4, {"tp_size": 2}, {"tp_size": 2})],

@@ -4,6 +4,7 @@ the engine on one node and the trainer on the other."""
 
 import os
 import secrets
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,6 @@ from test_loop import make_cfg, rows
 
 from instar.loop import run
 from instar.runtime.placement import Node, PlacementError, Slot, plan
-from instar.train.launch import free_port
 
 
 def gpu_nodes(*gpus: int) -> list[Node]:
@@ -128,7 +128,9 @@ def test_the_loop_runs_with_the_engine_on_one_node_and_the_trainer_on_the_other(
 
 @pytest.mark.slow
 def test_instar_rl_runs_against_a_ray_start_cluster(tmp_path, tiny_model_dir, prompts):
-    port = free_port()
+    with socket.socket() as s:  # a port free now, for `ray start` to bind (reserve_port would hold it)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     ray_bin = Path(sys.executable).parent / "ray"
     # a cluster with token authentication, as `ray start` runs once a token exists; instar is given the token
     env = {**os.environ, "RAY_ADDRESS": "", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}

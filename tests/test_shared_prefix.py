@@ -22,7 +22,7 @@ from instar.train.batch import (
     shard_samples,
     tree_order,
 )
-from instar.train.launch import free_port, run_ranks
+from instar.train.launch import reserve_port, run_ranks
 from instar.train.model import Segments, _shared_plan, packed_attention
 from instar.train.worker import TrainWorker
 
@@ -136,7 +136,7 @@ def _job(rank, world, port, model_dir, cp, share, pad: int | None = None, mixed:
 
 @pytest.fixture(scope="module")
 def plain(tiny_heads4_dir):
-    return _job(0, 1, free_port(), tiny_heads4_dir, 1, False)
+    return _job(0, 1, reserve_port(), tiny_heads4_dir, 1, False)
 
 
 def _assert_same(got: dict, want: dict) -> None:
@@ -154,7 +154,7 @@ def _assert_same(got: dict, want: dict) -> None:
 
 
 def test_shared_rows_train_like_plain_rows(tiny_heads4_dir, plain):
-    shared = _job(0, 1, free_port(), tiny_heads4_dir, 1, True)
+    shared = _job(0, 1, reserve_port(), tiny_heads4_dir, 1, True)
     assert shared["row"] < 0.7 * plain["row"]  # the prompts really were computed once per group
     assert any((a - b).abs().max() > 1e-3 for a, b in zip(plain["logprobs"], plain["initial"]))
     _assert_same(shared, plain)
@@ -165,13 +165,13 @@ def test_rows_padded_for_bf16_kernels_train_like_unpadded_rows(tiny_heads4_dir, 
     """The padding a CPU bf16 trainer adds (a sequence nothing reads), here in float32 so the results
     must be the unpadded ones up to float rounding."""
     assert plain["pad_rows"] == 1  # float32 rows are not padded
-    padded = _job(0, 1, free_port(), tiny_heads4_dir, 1, share, pad=ROW_MULTIPLE)
+    padded = _job(0, 1, reserve_port(), tiny_heads4_dir, 1, share, pad=ROW_MULTIPLE)
     assert padded["row"] % ROW_MULTIPLE == 0 and (padded["row"] > plain["row"] or share)
     _assert_same(padded, plain)
 
 
 def test_a_cpu_bf16_trainer_pads_its_rows(tiny_heads4_dir):
-    assert _job(0, 1, free_port(), tiny_heads4_dir, 1, False, mixed="bfloat16")["pad_rows"] == ROW_MULTIPLE
+    assert _job(0, 1, reserve_port(), tiny_heads4_dir, 1, False, mixed="bfloat16")["pad_rows"] == ROW_MULTIPLE
 
 
 @pytest.mark.slow

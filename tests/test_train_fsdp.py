@@ -16,7 +16,7 @@ from instar.contract import Sample
 from instar.runtime.batching import critic_loss, rl_loss
 from instar.train import checkpoint
 from instar.train.batch import StepInputs
-from instar.train.launch import free_port, run_ranks
+from instar.train.launch import reserve_port, run_ranks
 from instar.train.worker import TrainWorker
 
 LENGTHS = [7, 12, 5, 9, 3, 10, 4]
@@ -97,7 +97,7 @@ def _resume_job(rank, world, port, model_dir, ckpt_dir):
 @pytest.fixture(scope="module")
 def one_rank(tiny_model_dir):
     """One rank runs in this process (saves a process start); the job destroys its process group."""
-    return _one_rank_job(0, 1, free_port(), tiny_model_dir)
+    return _one_rank_job(0, 1, reserve_port(), tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +178,7 @@ def test_worker_replays_recorded_routes_and_freezes_the_router(tiny_moe_dir):
 
     w = TrainWorker(ActorConfig(model_name_or_path=str(tiny_moe_dir), learning_rate=1e-2, freeze_moe_router=True),
                     FSDPConfig(num_ranks=1), TrainConfig(max_tokens_per_gpu=64, routing_replay=True))
-    w.init(0, 1, "127.0.0.1", free_port())
+    w.init(0, 1, "127.0.0.1", reserve_port())
     try:
         sample = make_sample(12, 0)
         with pytest.raises(ValueError, match="some samples carry no routed_experts"):
@@ -206,7 +206,7 @@ def test_optimizer_offload_and_activation_checkpointing_change_nothing(one_rank,
     w = TrainWorker(ActorConfig(model_name_or_path=str(tiny_model_dir), learning_rate=1e-3, lr_warmup_steps=1),
                     FSDPConfig(num_ranks=1, offload="optimizer", activation_checkpointing=True),
                     TrainConfig(max_tokens_per_gpu=64, max_steps=10))
-    w.init(0, 1, "127.0.0.1", free_port())
+    w.init(0, 1, "127.0.0.1", reserve_port())
     try:
         metrics = _rl_step(w)
         state = _full_state(w)

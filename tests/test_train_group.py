@@ -58,7 +58,7 @@ def test_a_rank_beside_the_engines_computes_with_every_core_while_nothing_genera
     the cores while rollouts generate (engines and trainer compute at once), the node's cores split among
     the trainer ranks only while they do not; in backward too, when it reaches each layer."""
     from instar.runtime.trainer_group import _Rank
-    from instar.train.launch import GenerationFlag, cpu_threads, free_port
+    from instar.train.launch import GenerationFlag, cpu_threads, reserve_port
 
     flag = GenerationFlag()
     rank = _Rank(ActorConfig(model_name_or_path=str(tiny_model_dir)), FSDPConfig(num_ranks=1),
@@ -66,7 +66,7 @@ def test_a_rank_beside_the_engines_computes_with_every_core_while_nothing_genera
     flag.unlink()  # as the driver does once the ranks are up: the rank reads it all the same
     assert not os.path.exists(flag.path)
     try:
-        rank.init(0, 1, "127.0.0.1", free_port())
+        rank.init(0, 1, "127.0.0.1", reserve_port())
         samples = [_sample(n, i) for i, n in enumerate([9, 4, 12, 6, 5])]  # 3 micro-batches of <= 16 tokens
         flag.set(True)
         rank.compute_logprobs(samples)

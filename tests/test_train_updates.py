@@ -14,7 +14,7 @@ from instar.config import ActorConfig, FSDPConfig, RLConfig, TrainConfig
 from instar.contract import Sample
 from instar.runtime.batching import rl_loss
 from instar.train.batch import StepInputs, plan_micro_batches
-from instar.train.launch import free_port, run_ranks
+from instar.train.launch import reserve_port, run_ranks
 from instar.train.model import load_model
 from instar.train.worker import TrainWorker
 
@@ -50,7 +50,7 @@ def worker(model_dir, rank=0, world=1, port=None, ref=False, **actor) -> TrainWo
     w = TrainWorker(ActorConfig(model_name_or_path=str(model_dir), learning_rate=LR, **actor),
                     FSDPConfig(num_ranks=world), TrainConfig(max_tokens_per_gpu=32, max_steps=10),
                     ref_path=str(model_dir) if ref else None)
-    w.init(rank, world, "127.0.0.1", port or free_port())
+    w.init(rank, world, "127.0.0.1", port or reserve_port())
     return w
 
 

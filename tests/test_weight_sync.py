@@ -12,7 +12,7 @@ from instar.config import ActorConfig, FSDPConfig, RLConfig, TrainConfig
 from instar.contract import Sample, SamplingParams
 from instar.runtime.batching import rl_loss
 from instar.train.batch import StepInputs
-from instar.train.launch import free_port, run_ranks
+from instar.train.launch import reserve_port, run_ranks
 from instar.train.weight_sync import hf_name, open_sync_group, receive_weights, send_weights
 from instar.train.worker import TrainWorker
 
@@ -20,7 +20,7 @@ from instar.train.worker import TrainWorker
 def test_buckets_round_trip_exactly_with_names_mapped():
     params = [("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b", torch.ones(300, dtype=torch.bfloat16)),
               ("c", torch.arange(5)), ("d", torch.full((40,), 2.5))]
-    port, stats, received = free_port(), {}, []
+    port, stats, received = reserve_port(), {}, []
 
     def sender():
         group = open_sync_group("127.0.0.1", port, 0, 2)
@@ -45,7 +45,7 @@ def test_a_background_send_returns_with_a_copy_and_the_next_send_waits_for_it():
     trains meanwhile), what arrives is the weights as they were when it returned, and the next send first
     waits for that broadcast; a model of several buckets is sent before send_weights returns."""
     params = [("w", torch.arange(8, dtype=torch.float32)), ("v", torch.ones(3))]
-    port, stats, receiving = free_port(), [], threading.Event()
+    port, stats, receiving = reserve_port(), [], threading.Event()
 
     def sender():
         group = open_sync_group("127.0.0.1", port, 0, 2)
@@ -76,7 +76,7 @@ def test_mixed_dtypes_strided_and_cast_tensors_round_trip_twice_through_one_kept
              ("b", torch.arange(6, dtype=torch.float32).reshape(2, 3).t()),  # strided
              ("c", torch.tensor(7)), ("d", torch.linspace(0, 1, 100))]
     second = [(n, t * 2 - 1) for n, t in first]
-    port, stats = free_port(), []
+    port, stats = reserve_port(), []
 
     def sender():
         group = open_sync_group("127.0.0.1", port, 0, 2)
@@ -135,7 +135,7 @@ def test_engine_logprobs_equal_the_trainers_after_a_sync(tiny_model_dir):
 
     prompts = [[5, 17, 42, 99, 3], [250, 11, 12]]
     ctx = mp.get_context("spawn")
-    inbox, outbox, sync_port, result = ctx.Queue(), ctx.Queue(), free_port(), []
+    inbox, outbox, sync_port, result = ctx.Queue(), ctx.Queue(), reserve_port(), []
     trainer = threading.Thread(target=lambda: result.append(
         run_ranks(_trainer_job, 1, tiny_model_dir, sync_port, prompts, inbox, outbox, timeout=180)))
     trainer.start()

@@ -21,7 +21,7 @@ from instar.contract import Sample
 from instar.runtime.placement import Slot, nodes, plan, ray_options
 from instar.train import checkpoint
 from instar.train.batch import StepInputs, identity, shard_samples
-from instar.train.launch import GenerationFlag, cpu_threads, free_port
+from instar.train.launch import GenerationFlag, cpu_threads, reserve_port
 from instar.train.model import decoder_layers
 from instar.train.worker import LossFn, TrainStats, TrainWorker, ValueLossFn
 
@@ -59,7 +59,7 @@ class _Rank(TrainWorker):
             out.register_hook(lambda grad: self._after_layer(module, args, None))
 
     def address(self) -> tuple[str, int]:
-        return ray.util.get_node_ip_address(), free_port()
+        return ray.util.get_node_ip_address(), reserve_port()
 
 
 class TrainerGroup:

@@ -4,14 +4,15 @@ tests. Each rank gets ``(rank, world_size, master_port, *args)`` and its return 
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -58,10 +59,29 @@ class GenerationFlag:
         self.unlink()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_held: dict[int, dist.TCPStore] = {}  # stores this process serves, by port, until a rank here joins through one
+
+
+def reserve_port() -> int:
+    """A port for a group's store, bound now by a store served from this process: a port that is only
+    found free and bound later by a rank can be taken in between (two runs on one machine, a Ray worker).
+    A rank in this process that joins through the port (`open_store`) takes the server over; ranks
+    elsewhere connect to it, so this process must live until they have joined."""
+    store = dist.TCPStore("localhost", 0, None, is_master=True, wait_for_workers=False)
+    _held[store.port] = store
+    return store.port
+
+
+def release_port(port: int) -> None:
+    _held.pop(port, None)
+
+
+def open_store(addr: str, port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """The store at ``addr:port`` (see `reserve_port`): served here if this process reserved it."""
+    if (store := _held.pop(port, None)) is not None:
+        store.set_timeout(timeout)
+        return store
+    return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
@@ -95,7 +115,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     code, and the others are killed. No time limit unless ``timeout`` (seconds) is given: an SFT
     run takes as long as it takes; tests pass one to fail rather than hang."""
     ctx = mp.get_context("spawn")
-    port = free_port()
+    port = reserve_port()  # served from here: every rank connects to it
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, out_dir)) for r in range(world_size)]
         for p in procs:
@@ -107,4 +127,5 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 if p.is_alive():
                     p.kill()
                     p.join()
+            release_port(port)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -24,6 +24,7 @@ from instar.checks import check_layout
 from instar.config import FSDPConfig
 from instar.train.context_parallel import apply_context_parallel
 from instar.train.expert_parallel import apply_expert_parallel, experts_modules
+from instar.train.launch import open_store
 from instar.train.model import DTYPES, decoder_layers, enable_activation_checkpointing
 from instar.train.tensor_parallel import apply_tensor_parallel
 
@@ -34,7 +35,8 @@ def device_type() -> str:
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
     """Join the trainer's process group: gloo on CPU; on GPU NCCL for tensors plus gloo for the
-    CPU-side objects (metadata, RNG states) that collectives sometimes carry."""
+    CPU-side objects (metadata, RNG states) that collectives sometimes carry. ``master_port``: from
+    `reserve_port`."""
     if dist.is_initialized():
         return
     if device_type() == "cuda":
@@ -42,8 +44,9 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(minutes=30))
+    timeout = timedelta(minutes=30)
+    dist.init_process_group(backend, store=open_store(master_addr, master_port, world_size, timeout), rank=rank,
+                            world_size=world_size, timeout=timeout)
 
 
 @dataclass

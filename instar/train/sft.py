@@ -17,7 +17,7 @@ from instar.data.images import Vision
 from instar.data.sft import load_sft_samples
 from instar.train import checkpoint
 from instar.train.batch import LossInputs
-from instar.train.launch import cpu_threads, free_port, run_ranks
+from instar.train.launch import cpu_threads, reserve_port, run_ranks
 from instar.train.model import load_tokenizer
 from instar.train.run_dir import MetricsLogger
 from instar.train.worker import TrainWorker
@@ -38,7 +38,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
     if cfg.fsdp.num_ranks == 1:
         threads = torch.get_num_threads()
         try:
-            return _sft_rank(0, 1, free_port(), cfg)
+            return _sft_rank(0, 1, reserve_port(), cfg)
         finally:  # this process goes on after SFT (tests, notebooks): leave its threads as they were
             torch.set_num_threads(threads)
     return run_ranks(_sft_rank, cfg.fsdp.num_ranks, cfg)[0]

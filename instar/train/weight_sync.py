@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from instar.train.launch import open_store
+
 ALIGN = 64  # a tensor's offset in its bucket: any dtype can then view its bytes in place
 
 
@@ -50,10 +52,11 @@ class SyncGroup:
 
 def open_sync_group(master_addr: str, master_port: int, rank: int, world_size: int,
                     device: str = "cpu", timeout_s: float = 600.0) -> SyncGroup:
-    """Join the weight-sync group (rank 0: trainer rank 0, which hosts the store). Every member calls
-    this at about the same time; it returns when all ``world_size`` members have joined."""
+    """Join the weight-sync group (rank 0: trainer rank 0, which broadcasts). ``master_port``: from
+    `reserve_port`, in the process that serves the store (trainer rank 0's). Every member calls this at
+    about the same time; it returns when all ``world_size`` members have joined."""
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    store = open_store(master_addr, master_port, world_size, timeout)
     prefixed = dist.PrefixStore("instar_weight_sync", store)
     if device == "cuda":
         pg = dist.ProcessGroupNCCL(prefixed, rank, world_size)

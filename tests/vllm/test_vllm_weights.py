@@ -5,7 +5,6 @@ weights (tied embeddings in both). One fp32 engine for the module; each test lea
 """
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -16,6 +15,7 @@ from vllm_tier import hf_logits, hf_logprobs, needs_vllm, start_engine, wait_unt
 
 from instar.config import EngineConfig
 from instar.contract import SamplingParams
+from instar.train.launch import reserve_port
 from instar.train.weight_sync import open_sync_group, receive_weights, send_weights
 
 pytestmark = needs_vllm
@@ -98,17 +98,11 @@ def test_keep_pause_update_resume_mid_request(vllm, models, head):
     assert engine.version == start + 2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_broadcast_group_into_the_vllm_worker(vllm, models):
     """The trainer's rank 0 broadcasts model B over gloo; the vLLM worker receives it itself."""
     engine, loop = vllm
     a, b = models
-    port, trainer = free_port(), {}
+    port, trainer = reserve_port(), {}
     opener = threading.Thread(target=lambda: trainer.update(group=open_sync_group("127.0.0.1", port, 0, 2)))
     opener.start()
     loop.run(engine.join_weight_group(open_sync_group, "127.0.0.1", port, first_rank=1, world_size=2), timeout=60)
