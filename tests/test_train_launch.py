@@ -3,7 +3,9 @@ there is no time limit unless a test asks for one (results in rank order are che
 multi-rank test)."""
 
 import os
+import socket
 import time
+from datetime import timedelta
 
 import pytest
 
@@ -44,3 +46,23 @@ def test_a_dying_rank_is_named_with_its_exit_code_and_the_others_are_killed(tmp_
     assert timeouts == [None]  # waited with no deadline
     with pytest.raises(ProcessLookupError):
         os.kill(int((tmp_path / "rank1").read_text()), 0)
+
+
+def _store_rank(rank, world_size, port):
+    store = launch.open_store("127.0.0.1", port, world_size, timedelta(seconds=60))
+    store.set(f"rank{rank}", str(rank))
+    return [store.get(f"rank{r}").decode() for r in range(world_size)]  # waits for every rank's key
+
+
+def test_a_reserved_port_stays_bound_and_serves_the_ranks_that_join_through_it():
+    """The port is held from the moment it is chosen (a port only found free was taken by another
+    program before rank 0 bound it: EADDRINUSE in CI); a rank in the reserving process takes the server
+    over, ranks elsewhere connect to it."""
+    port = launch.reserve_port()
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind(("127.0.0.1", port))
+    here = launch.open_store("127.0.0.1", port, 2, timedelta(seconds=60))  # served by this process
+    there = launch.open_store("127.0.0.1", port, 2, timedelta(seconds=60))  # a client of it
+    there.set("k", "v")
+    assert here.get("k") == b"v"
+    assert run_ranks(_store_rank, 2, timeout=120) == [["0", "1"]] * 2  # the launcher's ranks: both clients

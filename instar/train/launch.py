@@ -66,8 +66,8 @@ def reserve_port() -> int:
     """A port for a group's store, bound now by a store served from this process: a port that is only
     found free and bound later by a rank can be taken in between (two runs on one machine, a Ray worker).
     A rank in this process that joins through the port (`open_store`) takes the server over; ranks
-    elsewhere connect to it, so this process must live until they have joined."""
-    store = dist.TCPStore("localhost", 0, None, is_master=True, wait_for_workers=False)
+    elsewhere connect to it, so this process must outlive the group (later sub-groups meet in it too)."""
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
     _held[store.port] = store
     return store.port
 
