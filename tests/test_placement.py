@@ -128,14 +128,20 @@ def test_the_loop_runs_with_the_engine_on_one_node_and_the_trainer_on_the_other(
 
 @pytest.mark.slow
 def test_instar_rl_runs_against_a_ray_start_cluster(tmp_path, tiny_model_dir, prompts):
-    with socket.socket() as s:  # a port free now, for `ray start` to bind (reserve_port would hold it)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ray_bin = Path(sys.executable).parent / "ray"
     # a cluster with token authentication, as `ray start` runs once a token exists; instar is given the token
     env = {**os.environ, "RAY_ADDRESS": "", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-    subprocess.run([str(ray_bin), "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-                    "--disable-usage-stats"], check=True, capture_output=True, env=env, timeout=120)
+    for _ in range(3):  # the port is free when found, and may be taken before `ray start` binds it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        started = subprocess.run([str(ray_bin), "start", "--head", f"--port={port}", "--num-cpus=2",
+                                  "--include-dashboard=false", "--disable-usage-stats"],
+                                 capture_output=True, text=True, env=env, timeout=120)
+        if started.returncode == 0:
+            break
+        subprocess.run([str(ray_bin), "stop", "--force"], capture_output=True, env=env, timeout=120)
+    assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
     try:
         done = subprocess.run(
             [str(Path(sys.executable).parent / "instar"), "rl", "--ray.address", f"127.0.0.1:{port}",
