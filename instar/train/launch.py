@@ -72,10 +72,6 @@ def reserve_port() -> int:
     return store.port
 
 
-def release_port(port: int) -> None:
-    _held.pop(port, None)
-
-
 def open_store(addr: str, port: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
     """The store at ``addr:port`` (see `reserve_port`): served here if this process reserved it."""
     if (store := _held.pop(port, None)) is not None:
@@ -127,5 +123,5 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 if p.is_alive():
                     p.kill()
                     p.join()
-            release_port(port)
+            _held.pop(port, None)  # the ranks are gone: stop serving
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
