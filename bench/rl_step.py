@@ -47,6 +47,7 @@ import torch
 
 from instar.config import RLConfig
 from instar.data.tiny_model import TinySpec, build_tiny_model
+from instar.train.cpu_kernels import amd_cpu
 from instar.train.model import DTYPES
 
 AGENT = '''
@@ -156,16 +157,18 @@ def matmul_work(model_dir: str, prompts_path: str, n_prompts: int) -> tuple[int,
     return weights, statistics.mean(lengths), model.config.hidden_size
 
 
-def matmul_peak(width: int, dtype: torch.dtype) -> float:
-    """FLOP/s of one thread on a trainer-shaped product, (3072, width) @ (width, 2 width), measured now."""
+def matmul_peak(width: int, dtype: torch.dtype, onednn: bool = False) -> float:
+    """FLOP/s of one thread on a trainer-shaped product, (3072, width) @ (width, 2 width), measured now;
+    ``onednn``: through oneDNN, as instar's trainer with --fsdp.cpu_matmul onednn computes it."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    a, b = torch.randn(3072, width, dtype=dtype), torch.randn(width, 2 * width, dtype=dtype)
+    a, w = torch.randn(3072, width, dtype=dtype), torch.randn(2 * width, width, dtype=dtype)
+    product = (lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")) if onednn else (lambda: a @ w.T)
     for _ in range(20):
-        a @ b
+        product()
     start, n = time.perf_counter(), 200
     for _ in range(n):
-        a @ b
+        product()
     seconds = time.perf_counter() - start
     torch.set_num_threads(threads)
     return 2 * 3072 * width * 2 * width * n / seconds
@@ -252,7 +255,7 @@ def instar_run(model_dir: str, prompts: str, agent: str, out: Path, args: argpar
     cfg.ckpt.output_dir = str(out / f"run-{mode}")
     cfg.fsdp.num_ranks = args.ranks
     cfg.engine.compile, cfg.fsdp.compile = args.engine_compile, args.trainer_compile
-    cfg.fsdp.mixed_precision = args.mixed_precision
+    cfg.fsdp.mixed_precision, cfg.fsdp.cpu_matmul = args.mixed_precision, args.cpu_matmul
     with cpu_window(args.warmup, args.warmup + args.steps) as cpu:
         run(cfg)
     rows = [json.loads(line) for line in (out / f"run-{mode}/metrics.jsonl").read_text().splitlines()]
@@ -285,6 +288,8 @@ def main() -> None:
                    help="instar's --engine.compile (aot: the dense layers AOT-compiled, built once per model shape)")
     p.add_argument("--trainer-compile", default=False, action=argparse.BooleanOptionalAction,
                    help="instar's --fsdp.compile (the trainer's dense layers through torch.compile)")
+    p.add_argument("--cpu-matmul", default="auto", choices=["auto", "onednn", "blas"],
+                   help="instar's --fsdp.cpu_matmul (the trainer's float32 linear layers through oneDNN or the BLAS)")
     p.add_argument("--mixed-precision", default="float32", choices=["float32", "bfloat16"],
                    help="the training compute dtype: instar's --fsdp.mixed_precision, autocast in the bare loop")
     p.add_argument("--bare-threads", type=int, default=2, help="torch threads of the bare loop (0: torch's default)")
@@ -295,7 +300,9 @@ def main() -> None:
         out = Path(d)
         model_dir, prompts, agent = build(out, args.scale, args.prompts)
         weights, prompt_len, width = matmul_work(model_dir, prompts, args.prompts)
-        peaks = (matmul_peak(width, torch.float32), matmul_peak(width, DTYPES[args.mixed_precision]))
+        onednn = args.mixed_precision == "float32" and args.cpu_matmul != "blas" and (
+            args.cpu_matmul == "onednn" or amd_cpu())  # what instar's trainer computes with
+        peaks = (matmul_peak(width, torch.float32), matmul_peak(width, DTYPES[args.mixed_precision], onednn))
         # the bare loop before and after each round of instar's runs, averaged: the machine's speed drifts
         bares, rounds = [bare_loop(model_dir, prompts, args)], []
         for r in range(args.rounds):
@@ -328,7 +335,8 @@ def main() -> None:
                   f" ({r['cpu_machine'] / cores / r['cpu_wall']:.0%} busy): with every core busy this work takes "
                   f"{packed:.3f} s a step, ratio {ratio * r['cpu_wall'] / packed:.2f}")
             engine, trainer = floor_seconds(r, weights, prompt_len, args.prompts, peaks)
-            trained = "" if args.mixed_precision == "float32" else f", the trainer's {peaks[1] / 1e9:.0f} in bf16"
+            kind = "oneDNN" if onednn else "" if args.mixed_precision == "float32" else "bf16"
+            trained = f", the trainer's {peaks[1] / 1e9:.0f} in {kind}" if kind else ""
             print(f"  the matmuls alone at one core's peak ({peaks[0] / 1e9:.0f} GFLOP/s in float32{trained}, measured "
                   f"now): engine {engine:.3f} + trainer {trainer:.3f} core-seconds a "
                   f"step, {(engine + trainer) / r['cpu_machine']:.0%} of the machine's; with nothing else and every "

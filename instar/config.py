@@ -222,6 +222,9 @@ class FSDPConfig:
     (varlen kernel; needs the flash-attn package and a GPU), flex_attention (a document mask, PyTorch's
     FlexAttention; GPU only: it has no backward on CPU), sdpa / eager (transformers' own, with a block-diagonal
     mask), or auto (flex_attention on a GPU; on CPU packed, or sdpa for a model with a sliding window)."""
+    cpu_matmul: Literal["auto", "onednn", "blas"] = "auto"
+    """The trainer's CPU float32 linear layers through oneDNN or PyTorch's BLAS (MKL); auto: oneDNN on AMD CPUs,
+    where MKL skips its AVX-512 kernels (~2x there). Not under --fsdp.compile (see instar/train/cpu_kernels.py)."""
     tp_size: int = 1
     """Tensor parallelism: each of this many ranks holds a slice of every attention and MLP weight and a
     share of the heads; they see the same samples. Divides --fsdp.num_ranks."""

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from instar.checks import check_layout
 from instar.config import FSDPConfig
 from instar.train.context_parallel import apply_context_parallel
+from instar.train.cpu_kernels import use_cpu_matmul
 from instar.train.expert_parallel import apply_expert_parallel, experts_modules
 from instar.train.launch import open_store
 from instar.train.model import DTYPES, decoder_layers, enable_activation_checkpointing
@@ -123,6 +124,8 @@ def parallelize(model: nn.Module, layout: Layout, fsdp: FSDPConfig) -> nn.Module
         enable_activation_checkpointing(model)
     if fsdp.compile:
         compile_layers(model)
+    elif device_type() == "cpu":
+        use_cpu_matmul(model, fsdp.cpu_matmul)
     if layout.mesh.size() == 1 and fsdp.offload == "none" and fsdp.mixed_precision == "float32":
         return model  # FSDP on one rank would only add hooks around every layer: ~5% of an update on CPU
     return apply_fsdp(model, layout.fsdp_mesh(), fsdp, expert_mesh)

@@ -1,0 +1,79 @@
+"""The trainer's linear layers through oneDNN on CPUs where PyTorch's BLAS takes a slow path.
+
+Why: PyTorch's CPU wheels run a float32 matmul through MKL, which on AMD CPUs does not use its AVX-512
+kernels; oneDNN, bundled in the same wheels (bf16 matmuls already go through it), does. On an AMD EPYC
+core at the trainer's shapes that is ~90 against ~200 GFLOP/s, and matmuls are most of a CPU update.
+`--fsdp.cpu_matmul auto` takes oneDNN on AMD CPUs and the BLAS elsewhere: a rule, not a timing, so that
+every run on a machine computes alike (a replayed step reproduces its grad norm to the last bit).
+``onednn`` and ``blas`` force one. A swapped layer computes the same products (the sums in another
+order); it falls back to `F.linear` for anything but float32 plain tensors on the CPU (DTensors under
+tensor parallelism, bf16, GPUs) and for empty inputs, so swapping is always safe.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+CpuMatmul = Literal["auto", "onednn", "blas"]
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` by oneDNN; transposed (strided) operands are read in place."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """`F.linear` whose three products (forward, input gradient, weight gradient) run in oneDNN."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _onednn(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_x = _onednn(grad, weight.t()) if ctx.needs_input_grad[0] else None  # grad @ weight
+        grad_w = _onednn(rows.t(), x.reshape(-1, x.shape[-1]).t()) if ctx.needs_input_grad[1] else None
+        grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+class OneDNNLinear(nn.Linear):
+    """An `nn.Linear` (same parameters and names) whose products run in oneDNN when it can take them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # no rows (a context-parallel rank's share can be empty): oneDNN refuses an empty product
+        if (x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.dtype != torch.float32
+                or isinstance(x, DTensor) or isinstance(self.weight, DTensor) or not x.numel()):
+            return F.linear(x, self.weight, self.bias)
+        return _OneDNNLinear.apply(x, self.weight, self.bias)
+
+
+def amd_cpu() -> bool:
+    """Whether this is an AMD x86 CPU (Linux's /proc/cpuinfo names the vendor)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "AuthenticAMD" in f.read(4096)
+    except OSError:
+        return False
+
+
+def use_cpu_matmul(model: nn.Module, choice: CpuMatmul = "auto") -> int:
+    """Turn ``model``'s `nn.Linear` layers into `OneDNNLinear` in place when ``choice`` (for auto: an AMD CPU)
+    says so; returns how many were turned."""
+    if choice == "blas" or (choice == "auto" and not (torch.backends.mkldnn.is_available() and amd_cpu())):
+        return 0
+    turned = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:  # a subclass (a LoRA layer, FSDP's wrapper) keeps its own forward
+            module.__class__ = OneDNNLinear
+            turned += 1
+    return turned
