@@ -71,6 +71,13 @@ def test_use_cpu_matmul_turns_plain_linear_layers_and_keeps_their_names(tiny_mod
     assert (use_cpu_matmul(load_model(str(tiny_model_dir)), "auto") > 0) == amd_cpu()  # a rule, not a timing
 
 
+def test_onednn_asked_of_a_build_without_it_is_an_error(monkeypatch):
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="no oneDNN"):
+        use_cpu_matmul(nn.Linear(2, 2), "onednn")
+    assert use_cpu_matmul(nn.Linear(2, 2), "auto") == 0
+
+
 @pytest.mark.slow
 def test_a_trainer_on_onednn_trains_like_one_on_the_blas(tiny_model_dir):
     """Three steps, logprobs before and after, the metrics and the weights: equal within float32 reordering."""

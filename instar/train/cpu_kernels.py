@@ -69,6 +69,8 @@ def amd_cpu() -> bool:
 def use_cpu_matmul(model: nn.Module, choice: CpuMatmul = "auto") -> int:
     """Turn ``model``'s `nn.Linear` layers into `OneDNNLinear` in place when ``choice`` (for auto: an AMD CPU)
     says so; returns how many were turned."""
+    if choice == "onednn" and not torch.backends.mkldnn.is_available():
+        raise ValueError("--fsdp.cpu_matmul onednn: this PyTorch build has no oneDNN; use auto or blas")
     if choice == "blas" or (choice == "auto" and not (torch.backends.mkldnn.is_available() and amd_cpu())):
         return 0
     turned = 0
