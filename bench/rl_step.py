@@ -47,7 +47,7 @@ import torch
 
 from instar.config import RLConfig
 from instar.data.tiny_model import TinySpec, build_tiny_model
-from instar.train.cpu_kernels import amd_cpu
+from instar.train.cpu_kernels import onednn_linear, uses_onednn
 from instar.train.model import DTYPES
 
 AGENT = '''
@@ -163,7 +163,7 @@ def matmul_peak(width: int, dtype: torch.dtype, onednn: bool = False) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     a, w = torch.randn(3072, width, dtype=dtype), torch.randn(2 * width, width, dtype=dtype)
-    product = (lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")) if onednn else (lambda: a @ w.T)
+    product = (lambda: onednn_linear(a, w)) if onednn else (lambda: a @ w.T)
     for _ in range(20):
         product()
     start, n = time.perf_counter(), 200
@@ -300,8 +300,7 @@ def main() -> None:
         out = Path(d)
         model_dir, prompts, agent = build(out, args.scale, args.prompts)
         weights, prompt_len, width = matmul_work(model_dir, prompts, args.prompts)
-        onednn = args.mixed_precision == "float32" and args.cpu_matmul != "blas" and (
-            args.cpu_matmul == "onednn" or amd_cpu())  # what instar's trainer computes with
+        onednn = args.mixed_precision == "float32" and uses_onednn(args.cpu_matmul)  # what instar's trainer runs
         peaks = (matmul_peak(width, torch.float32), matmul_peak(width, DTYPES[args.mixed_precision], onednn))
         # the bare loop before and after each round of instar's runs, averaged: the machine's speed drifts
         bares, rounds = [bare_loop(model_dir, prompts, args)], []

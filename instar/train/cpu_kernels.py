@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 CpuMatmul = Literal["auto", "onednn", "blas"]
 
 
-def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` by oneDNN; transposed (strided) operands are read in place."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
@@ -34,14 +34,14 @@ class _OneDNNLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _onednn(x, weight, bias)
+        return onednn_linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         rows = grad.reshape(-1, grad.shape[-1])
-        grad_x = _onednn(grad, weight.t()) if ctx.needs_input_grad[0] else None  # grad @ weight
-        grad_w = _onednn(rows.t(), x.reshape(-1, x.shape[-1]).t()) if ctx.needs_input_grad[1] else None
+        grad_x = onednn_linear(grad, weight.t()) if ctx.needs_input_grad[0] else None  # grad @ weight
+        grad_w = onednn_linear(rows.t(), x.reshape(-1, x.shape[-1]).t()) if ctx.needs_input_grad[1] else None
         grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b
 
@@ -66,12 +66,17 @@ def amd_cpu() -> bool:
         return False
 
 
-def use_cpu_matmul(model: nn.Module, choice: CpuMatmul = "auto") -> int:
-    """Turn ``model``'s `nn.Linear` layers into `OneDNNLinear` in place when ``choice`` (for auto: an AMD CPU)
-    says so; returns how many were turned."""
+def uses_onednn(choice: CpuMatmul) -> bool:
+    """Whether ``choice`` means oneDNN on this machine (for auto: an AMD CPU, in a build with oneDNN)."""
     if choice == "onednn" and not torch.backends.mkldnn.is_available():
         raise ValueError("--fsdp.cpu_matmul onednn: this PyTorch build has no oneDNN; use auto or blas")
-    if choice == "blas" or (choice == "auto" and not (torch.backends.mkldnn.is_available() and amd_cpu())):
+    return choice == "onednn" or (choice == "auto" and torch.backends.mkldnn.is_available() and amd_cpu())
+
+
+def use_cpu_matmul(model: nn.Module, choice: CpuMatmul = "auto") -> int:
+    """Turn ``model``'s `nn.Linear` layers into `OneDNNLinear` in place when ``choice`` (`uses_onednn`) says so;
+    returns how many were turned."""
+    if not uses_onednn(choice):
         return 0
     turned = 0
     for module in model.modules():
