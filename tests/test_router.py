@@ -212,8 +212,8 @@ def test_an_actor_engine_sends_requests_made_together_in_one_call():
 
         class generate_many:
             @staticmethod
-            def remote(requests):
-                Handle.calls.append(("generate_many", [r[1] for r in requests]))
+            def remote(requests, released):
+                Handle.calls.append(("generate_many", [r[1] for r in requests], released))
 
                 async def items():  # p1 and p2 finish in one engine step, p3 later
                     yield ready([(key, answers[p]) for key, p, *_ in requests if p != "p3"])
@@ -226,15 +226,21 @@ def test_an_actor_engine_sends_requests_made_together_in_one_call():
             def remote(*keys):
                 Handle.calls.append(("abort", keys))
 
+        class release:
+            @staticmethod
+            def remote(*sessions):
+                Handle.calls.append(("release", sessions))
+
     async def main():
         engine = RemoteEngine(Handle())
+        engine.release("ended")  # goes with the next batch of requests, not in a call of its own
         results = await asyncio.gather(*(engine.generate(p, SamplingParams()) for p in ("p1", "p2", "p3")),
                                        return_exceptions=True)
         solo = await engine.generate("solo", SamplingParams())
         hanging = [asyncio.ensure_future(engine.generate(p, SamplingParams())) for p in ("p1", "p3")]
         await asyncio.sleep(0.002)  # sent; p1 answered, p3 not yet
         hanging[1].cancel()
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(2 * RELEASE_BATCH_SECONDS)  # its timer finds nothing left to send
         return results, solo, hanging
 
     results, solo, hanging = asyncio.run(main())
@@ -243,5 +249,5 @@ def test_an_actor_engine_sends_requests_made_together_in_one_call():
     assert hanging[0].result() == answers["p1"] and hanging[1].cancelled()
     names = [c[0] for c in Handle.calls]
     assert names == ["generate_many", "generate", "generate_many", "abort"]
-    assert Handle.calls[0][1] == ["p1", "p2", "p3"] and Handle.calls[2][1] == ["p1", "p3"]
+    assert Handle.calls[0][1:] == (["p1", "p2", "p3"], ("ended",)) and Handle.calls[2][1:] == (["p1", "p3"], ())
     assert len(Handle.calls[3][1]) == 1 and Handle.calls[3][1][0].endswith("-5")  # the key of the 6th request (p3)

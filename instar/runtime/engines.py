@@ -28,7 +28,7 @@ import torch
 from instar.config import EngineConfig
 from instar.contract import Generation, ImageInputs, SamplingParams
 from instar.engines.protocol import Engine, EngineLoad, PauseMode, Sampled
-from instar.train.launch import cpu_threads
+from instar.train.launch import cpu_threads, keep_freed_memory
 from instar.train.weight_sync import open_sync_group, receive_weights
 
 
@@ -44,8 +44,9 @@ def make_engine(model_path: str, backend: str, cfg: EngineConfig, routing_replay
     raise ValueError(f"--rollout.engine must be embedded or vllm, got {backend!r}")
 
 
-RELEASE_BATCH_SECONDS = 0.02
-"""How long an agent runner gathers ended sessions before telling their engine, in one call."""
+RELEASE_BATCH_SECONDS = 0.25
+"""How long an agent runner keeps ended sessions before telling their engine in a call of their own;
+the next batch of requests it sends meanwhile takes them along instead (no call of their own at all)."""
 
 ROLLOUT_NICE = 5
 """Engines and agent runners run this much nicer than the trainer and the driver: where they share cores
@@ -63,6 +64,8 @@ class EngineActor:
         threads = cpu_threads(cpu_share)  # see Cluster: how many processes compute at the same time
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
+        if backend == "embedded":
+            keep_freed_memory()
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="engine", daemon=True).start()
 
@@ -91,14 +94,16 @@ class EngineActor:
         return await self._on_engine(self.engine.generate(prompt_token_ids, sampling_params, session_id, images))
 
     async def generate_many(self, requests: list[tuple[str, list[int], SamplingParams, str | None,
-                                                       ImageInputs | None]],
+                                                       ImageInputs | None]], released: tuple[str, ...] = (),
                             ) -> AsyncIterator[list[tuple[str, Generation | BaseException]]]:
         """Requests ``(key, prompt_token_ids, sampling_params, session_id, images)`` made together, as one
         Ray streaming generator: each item is the ``(key, generation or error)`` of those that finished
         since the last item (those of one engine step arrive together). One call and a few items instead
         of a call per request: a Ray call costs each side ~1 ms of CPU, as much as a short turn's sampling.
-        ``abort(key)`` cancels one request; cancelling the generator cancels those left."""
+        ``abort(key)`` cancels one request; cancelling the generator cancels those left. ``released``: sessions
+        that ended meanwhile (`release`), first."""
         self._check_serving()
+        self.release(*released)
         here = asyncio.get_running_loop()
         finished: asyncio.Queue = asyncio.Queue()
         pending: dict[str, concurrent.futures.Future] = {}
@@ -236,7 +241,8 @@ class RemoteEngine:
             task = asyncio.ensure_future(self._one(*batch[0]))
         elif batch:
             self._sent.update((key, answer) for key, _, answer in batch)
-            task = asyncio.ensure_future(self._many([(key, *args) for key, args, _ in batch]))
+            released, self._released = tuple(self._released), []
+            task = asyncio.ensure_future(self._many([(key, *args) for key, args, _ in batch], released))
         else:
             return
         self._collectors.add(task)
@@ -253,10 +259,10 @@ class RemoteEngine:
         except Exception as error:
             _settle(answer, error)
 
-    async def _many(self, requests: list[tuple]) -> None:
+    async def _many(self, requests: list[tuple], released: tuple[str, ...]) -> None:
         keys = [r[0] for r in requests]
         try:
-            async for ref in self.handle.generate_many.remote(requests):
+            async for ref in self.handle.generate_many.remote(requests, released):
                 for key, result in await ref:
                     if (answer := self._sent.pop(key, None)) is not None:
                         _settle(answer, result)
@@ -276,15 +282,17 @@ class RemoteEngine:
             ray.cancel(refs)
 
     def release(self, session_id: str) -> None:
-        """Batched: the sessions that end within a few milliseconds go in one call (a round trip per rollout
-        cost the engine's process as much CPU as a short turn); not awaited, nothing waits on it."""
+        """Batched: ended sessions go with the next batch of requests, or after `RELEASE_BATCH_SECONDS` in
+        one call of their own (a round trip per rollout cost the engine's process as much CPU as a short
+        turn; a call per few sessions still cost the agent runner a fifth of its CPU); nothing waits on it."""
         self._released.append(session_id)
         if len(self._released) == 1:
             asyncio.get_running_loop().call_later(RELEASE_BATCH_SECONDS, self._flush)
 
     def _flush(self) -> None:
-        self.handle.release.remote(*self._released)
-        self._released = []
+        if self._released:  # else a batch of requests took them
+            self.handle.release.remote(*self._released)
+            self._released = []
 
     async def load(self) -> EngineLoad:
         """The engine's load; a group's samples start together and share one query."""

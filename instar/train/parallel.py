@@ -25,7 +25,7 @@ from instar.config import FSDPConfig
 from instar.train.context_parallel import apply_context_parallel
 from instar.train.cpu_kernels import use_cpu_matmul
 from instar.train.expert_parallel import apply_expert_parallel, experts_modules
-from instar.train.launch import open_store
+from instar.train.launch import keep_freed_memory, open_store
 from instar.train.model import DTYPES, decoder_layers, enable_activation_checkpointing
 from instar.train.tensor_parallel import apply_tensor_parallel
 
@@ -126,6 +126,8 @@ def parallelize(model: nn.Module, layout: Layout, fsdp: FSDPConfig) -> nn.Module
         compile_layers(model)
     elif device_type() == "cpu":
         use_cpu_matmul(model, fsdp.cpu_matmul)
+    if device_type() == "cpu":
+        keep_freed_memory()
     if layout.mesh.size() == 1 and fsdp.offload == "none" and fsdp.mixed_precision == "float32":
         return model  # FSDP on one rank would only add hooks around every layer: ~5% of an update on CPU
     return apply_fsdp(model, layout.fsdp_mesh(), fsdp, expert_mesh)
