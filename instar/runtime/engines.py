@@ -44,9 +44,14 @@ def make_engine(model_path: str, backend: str, cfg: EngineConfig, routing_replay
     raise ValueError(f"--rollout.engine must be embedded or vllm, got {backend!r}")
 
 
-RELEASE_BATCH_SECONDS = 0.25
+RELEASE_BATCH_SECONDS = 1.0
 """How long an agent runner keeps ended sessions before telling their engine in a call of their own;
 the next batch of requests it sends meanwhile takes them along instead (no call of their own at all)."""
+
+ITEM_GATHER_SECONDS = 0.01
+"""How long `EngineActor.generate_many` waits after a request finishes, while others are still running,
+so that those finishing in the next few engine steps travel in the same item: each item of a Ray
+streaming call costs both processes CPU, and a batch's requests end over many steps."""
 
 ROLLOUT_NICE = 5
 """Engines and agent runners run this much nicer than the trainer and the driver: where they share cores
@@ -114,6 +119,8 @@ class EngineActor:
         try:
             while pending:
                 done = [await finished.get()]
+                if len(pending) > 1:  # more to come: what finishes in the next engine steps goes in this item
+                    await asyncio.sleep(ITEM_GATHER_SECONDS)
                 while not finished.empty():
                     done.append(finished.get_nowait())
                 item = []
@@ -215,6 +222,7 @@ class RemoteEngine:
         self.handle = handle
         self._load: Any = None  # the load query in flight, shared by the placements that ask meanwhile
         self._released: list[str] = []  # sessions to release in the next batched call
+        self._flushing: asyncio.TimerHandle | None = None  # the call of their own, if no batch takes them first
         self._pending: list[tuple[str, tuple, asyncio.Future]] = []  # requests for the next call
         self._keys = (f"{uuid.uuid4().hex[:12]}-{i}" for i in itertools.count())
         self._sent: dict[str, asyncio.Future] = {}  # requests in a generate_many call, by key
@@ -242,6 +250,9 @@ class RemoteEngine:
         elif batch:
             self._sent.update((key, answer) for key, _, answer in batch)
             released, self._released = tuple(self._released), []
+            if self._flushing is not None:  # they go now: the next one to end starts a new wait
+                self._flushing.cancel()
+                self._flushing = None
             task = asyncio.ensure_future(self._many([(key, *args) for key, args, _ in batch], released))
         else:
             return
@@ -286,13 +297,13 @@ class RemoteEngine:
         one call of their own (a round trip per rollout cost the engine's process as much CPU as a short
         turn; a call per few sessions still cost the agent runner a fifth of its CPU); nothing waits on it."""
         self._released.append(session_id)
-        if len(self._released) == 1:
-            asyncio.get_running_loop().call_later(RELEASE_BATCH_SECONDS, self._flush)
+        if self._flushing is None:
+            self._flushing = asyncio.get_running_loop().call_later(RELEASE_BATCH_SECONDS, self._flush)
 
     def _flush(self) -> None:
-        if self._released:  # else a batch of requests took them
-            self.handle.release.remote(*self._released)
-            self._released = []
+        self._flushing = None
+        self.handle.release.remote(*self._released)
+        self._released = []
 
     async def load(self) -> EngineLoad:
         """The engine's load; a group's samples start together and share one query."""
