@@ -249,11 +249,7 @@ class RemoteEngine:
             task = asyncio.ensure_future(self._one(*batch[0]))
         elif batch:
             self._sent.update((key, answer) for key, _, answer in batch)
-            released, self._released = tuple(self._released), []
-            if self._flushing is not None:  # they go now: the next one to end starts a new wait
-                self._flushing.cancel()
-                self._flushing = None
-            task = asyncio.ensure_future(self._many([(key, *args) for key, args, _ in batch], released))
+            task = asyncio.ensure_future(self._many([(key, *args) for key, args, _ in batch], self._take_released()))
         else:
             return
         self._collectors.add(task)
@@ -301,9 +297,15 @@ class RemoteEngine:
             self._flushing = asyncio.get_running_loop().call_later(RELEASE_BATCH_SECONDS, self._flush)
 
     def _flush(self) -> None:
-        self._flushing = None
-        self.handle.release.remote(*self._released)
-        self._released = []
+        self.handle.release.remote(*self._take_released())
+
+    def _take_released(self) -> tuple[str, ...]:
+        """The ended sessions to send now; the next one to end starts a new wait."""
+        if self._flushing is not None:
+            self._flushing.cancel()
+            self._flushing = None
+        released, self._released = tuple(self._released), []
+        return released
 
     async def load(self) -> EngineLoad:
         """The engine's load; a group's samples start together and share one query."""
