@@ -224,7 +224,7 @@ class FSDPConfig:
     mask), or auto (flex_attention on a GPU; on CPU packed, or sdpa for a model with a sliding window)."""
     cpu_matmul: Literal["auto", "onednn", "blas"] = "auto"
     """The trainer's CPU float32 linear layers through oneDNN or PyTorch's BLAS (MKL); auto: oneDNN on AMD CPUs,
-    where MKL skips its AVX-512 kernels (~2x there). Not under --fsdp.compile (see instar/train/cpu_kernels.py)."""
+    where MKL skips its AVX-512 kernels (~2x there); under --fsdp.compile too (see instar/train/cpu_kernels.py)."""
     tp_size: int = 1
     """Tensor parallelism: each of this many ranks holds a slice of every attention and MLP weight and a
     share of the heads; they see the same samples. Divides --fsdp.num_ranks."""

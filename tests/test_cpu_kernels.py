@@ -1,6 +1,7 @@
 """--fsdp.cpu_matmul: the trainer's linear layers through oneDNN compute what `nn.Linear` computes (forward,
 input, weight and bias gradients, within float32 reordering), fall back to `F.linear` for anything else,
-keep their parameters and names, and a trainer that uses them trains like one that does not."""
+keep their parameters and names, stay on oneDNN inside torch.compile (--fsdp.compile), and a trainer that
+uses them trains like one that does not."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 from layouts import assert_same, make_sample, train_job
 from torch import nn
 
+from instar.train import cpu_kernels
 from instar.train.cpu_kernels import OneDNNLinear, amd_cpu, use_cpu_matmul
 from instar.train.launch import reserve_port
 from instar.train.model import load_model
@@ -38,6 +40,28 @@ def test_onednn_linear_equals_nn_linear_forward_and_backward(bias):
     for got, want in zip(outs[1], outs[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert outs[1][0].shape == (2, 37, 80)
+
+
+def test_a_compiled_layer_keeps_its_products_on_onednn_and_its_gradients(monkeypatch):
+    """Traced as the aten op, inductor has no training lowering for oneDNN's linear and would fall back to the
+    BLAS (or fail): the layer's product is an operator of its own, called as one kernel from the graph."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(24, 40, bias=False), nn.SiLU(), nn.Linear(40, 24))
+    fast = nn.Sequential(_turned(plain[0]), nn.SiLU(), _turned(plain[2]))
+    calls = []
+    kernel = cpu_kernels.onednn_linear
+    monkeypatch.setattr(cpu_kernels, "onednn_linear", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    x, grad = torch.randn(1, 29, 24), torch.randn(1, 29, 24)
+    outs = []
+    for model in (plain, torch.compile(fast, dynamic=True)):
+        xi = x.clone().requires_grad_()
+        y = model(xi)
+        y.backward(grad)
+        outs.append([y, xi.grad] + [p.grad for p in model.parameters()])
+    for got, want in zip(outs[1], outs[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the two forwards and the input gradients of both layers (the weight gradients run on the BLAS)
+    assert sorted(calls) == sorted([(1, 29, 24), (1, 29, 40), (1, 29, 24), (1, 29, 40)])
 
 
 def test_a_frozen_input_or_weight_gets_no_gradient_computed():

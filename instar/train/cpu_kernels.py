@@ -7,7 +7,9 @@ core at the trainer's shapes that is ~90 against ~200 GFLOP/s, and matmuls are m
 every run on a machine computes alike (a replayed step reproduces its grad norm to the last bit).
 ``onednn`` and ``blas`` force one. A swapped layer computes the same products (the sums in another
 order); it falls back to `F.linear` for anything but float32 plain tensors on the CPU (DTensors under
-tensor parallelism, bf16, GPUs) and for empty inputs, so swapping is always safe.
+tensor parallelism, bf16, GPUs) and for empty inputs, so swapping is always safe. The weight gradient runs on
+the BLAS, which reads transposed operands in place: at its shapes (the inner dimension is every token) it
+is as fast there, and oneDNN would first copy the transposed output gradient (~3% of a demo-sized update).
 """
 
 from __future__ import annotations
@@ -24,28 +26,36 @@ CpuMatmul = Literal["auto", "onednn", "blas"]
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` by oneDNN. A transposed ``weight`` is read in place; a transposed ``x`` is
-    copied first (the weight gradient's transposed output gradient: ~6% of a demo-sized update; giving
-    oneDNN the input's transpose instead measured no faster, except at the 512-wide head)."""
+    copied first."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-class _OneDNNLinear(torch.autograd.Function):
-    """`F.linear` whose three products (forward, input gradient, weight gradient) run in oneDNN."""
+# An operator of its own, so that torch.compile (`--fsdp.compile`) keeps it as one opaque call and fuses the
+# elementwise work around it; traced as the aten op, inductor has no lowering for it in training.
+@torch.library.custom_op("instar::onednn_linear", mutates_args=())
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return onednn_linear(x, weight)
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return onednn_linear(x, weight, bias)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        rows = grad.reshape(-1, grad.shape[-1])
-        grad_x = onednn_linear(grad, weight.t()) if ctx.needs_input_grad[0] else None  # grad @ weight
-        grad_w = onednn_linear(rows.t(), x.reshape(-1, x.shape[-1]).t()) if ctx.needs_input_grad[1] else None
-        grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
+@_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _save(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    x, weight = ctx.saved_tensors
+    grad_x = _linear(grad, weight.t()) if ctx.needs_input_grad[0] else None  # grad @ weight
+    # the weight gradient on the BLAS (see the module's doc)
+    grad_w = (torch.mm(grad.reshape(-1, grad.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+              if ctx.needs_input_grad[1] else None)
+    return grad_x, grad_w
+
+
+_linear.register_autograd(_backward, setup_context=_save)
 
 
 class OneDNNLinear(nn.Linear):
@@ -56,7 +66,8 @@ class OneDNNLinear(nn.Linear):
         if (x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.dtype != torch.float32
                 or isinstance(x, DTensor) or isinstance(self.weight, DTensor) or not x.numel()):
             return F.linear(x, self.weight, self.bias)
-        return _OneDNNLinear.apply(x, self.weight, self.bias)
+        out = _linear(x, self.weight)
+        return out if self.bias is None else out + self.bias
 
 
 def amd_cpu() -> bool:

@@ -126,8 +126,7 @@ def parallelize(model: nn.Module, layout: Layout, fsdp: FSDPConfig) -> nn.Module
         compile_layers(model)
     if device_type() == "cpu":
         keep_freed_memory()  # the process's allocator: every CPU update reuses the last one's memory
-        if not fsdp.compile:  # inductor picks its own products
-            use_cpu_matmul(model, fsdp.cpu_matmul)
+        use_cpu_matmul(model, fsdp.cpu_matmul)
     if layout.mesh.size() == 1 and fsdp.offload == "none" and fsdp.mixed_precision == "float32":
         return model  # FSDP on one rank would only add hooks around every layer: ~5% of an update on CPU
     return apply_fsdp(model, layout.fsdp_mesh(), fsdp, expert_mesh)
