@@ -141,17 +141,25 @@ def _shared_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                                                 attn_mask=mask.to(query.device), **kw)
                  for a, z, keys, mask in plan]
         return torch.cat(parts, dim=2).transpose(1, 2)
-    q_index, k_index, mask, valid = (t.to(query.device) for t in plan)
-    out = F.scaled_dot_product_attention(*(t[0][:, i].transpose(0, 1) for t, i in
+    q_index, k_index, mask, real = (t.to(query.device) for t in plan)
+    out = F.scaled_dot_product_attention(*(_gather_tokens(t, i) for t, i in
                                            ((query, q_index), (key, k_index), (value, k_index))), attn_mask=mask, **kw)
-    return out.transpose(1, 2)[valid][None]  # [S, Tq, heads, d] -> the row's [1, N, heads, d]
+    out = out.transpose(1, 2).reshape(q_index.numel(), -1)  # [S, Tq, heads, d] -> the row's [1, N, heads, d]
+    return _FromPadded.apply(out, real).view(1, query.shape[2], query.shape[1], -1)
+
+
+def _gather_tokens(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``[S, heads, T, d]`` from a packed ``[1, heads, N, d]`` at the row positions ``index [S, T]``, whole
+    tokens at a time (see `packed_attention`); a position gathered twice gets the sum of both gradients."""
+    rows = t[0].transpose(0, 1).reshape(t.shape[2], -1).index_select(0, index.reshape(-1))
+    return rows.view(*index.shape, t.shape[1], t.shape[3]).transpose(1, 2)
 
 
 @functools.lru_cache(maxsize=4)  # every layer of a forward (and its recompute) asks for the same row
 def _shared_plan(segments: Segments) -> tuple[torch.Tensor, ...] | list[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """For `_shared_attention`: ``[S, Tq]`` query positions, ``[S, Tk]`` key positions (context first), the
-    ``[S, 1, Tq, Tk]`` mask and the ``[S, Tq]`` mask of real queries (padding points at position 0; its
-    outputs are dropped). Or, per segment, its bounds, key positions and ``[Tq, Tk]`` mask."""
+    ``[S, 1, Tq, Tk]`` mask and where the row's queries are in the flattened ``[S * Tq]`` (padding points at
+    position 0; its outputs are dropped). Or, per segment, its bounds, key positions and ``[Tq, Tk]`` mask."""
     b = segments.bounds
     own = [list(range(b[k], b[k + 1])) for k in range(len(b) - 1)]
     seen = [[p for c in ctx for p in own[c]] for ctx in segments.context]
@@ -170,7 +178,7 @@ def _shared_plan(segments: Segments) -> tuple[torch.Tensor, ...] | list[tuple[in
         mask[k, 0, :, :len(s)] = True
         mask[k, 0, :, len(s):] = causal[:, :tk - len(s)]  # padded queries see what the real ones before them see
     valid = torch.arange(tq)[None] < torch.tensor([len(o) for o in own])[:, None]
-    return q_index, k_index, mask, valid
+    return q_index, k_index, mask, valid.reshape(-1).nonzero()[:, 0]
 
 
 def attention_for(path: str, choice: str = "auto") -> str:
