@@ -189,7 +189,7 @@ def attention_for(path: str, choice: str = "auto") -> str:
     and, on CPU (where FlexAttention has no backward), packed unless the model uses a sliding window,
     then sdpa. A kernel that cannot run here is an error that names the fix."""
     from transformers import AttentionInterface, AutoConfig
-    # no mask function: transformers then builds none; eager under --fsdp.compile (see `parallel.compile_layers`)
+    # no mask function: transformers then builds none; eager under --fsdp.compile (see `compiled.compile_layers`)
     AttentionInterface.register(PACKED, torch.compiler.disable(packed_attention))
     gpu = torch.cuda.is_available()
     if choice == "auto":
