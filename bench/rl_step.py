@@ -9,9 +9,10 @@ model's groups all score 0, so every advantage would be 0 and neither side would
 compute; here groups differ, as in a task the policy half solves. instar runs the real `instar rl`
 topology (Ray actors, the embedded engine, the agent runner and its env loop, an FSDP2 trainer rank,
 weight sync) in each mode: strictly on-policy (`--train.force_sync_mode`), async one step ahead (the
-default), and async with partial rollout; its engine with `--engine.compile aot` unless told otherwise
-(`--engine-compile none`), its trainer with `--fsdp.compile` when told (`--trainer-compile`); the untimed
-first steps build the kernels. `--mixed-precision bfloat16` trains both sides in bf16 (instar's
+default), and async with partial rollout; its engine with `--engine.compile aot` and its trainer with `--fsdp.compile`
+unless told otherwise (`--engine-compile none`, `--no-trainer-compile`): instar's CPU configuration for speed
+(both off by default in `instar rl`, where a first run builds the kernels for ~20-30 s); the untimed first
+steps build or load them. `--mixed-precision bfloat16` trains both sides in bf16 (instar's
 `--fsdp.mixed_precision`, float32 master weights; the bare loop under `torch.autocast`); both generate
 in float32.
 
@@ -286,7 +287,7 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=1, help="instar's trainer ranks (--fsdp.num_ranks)")
     p.add_argument("--engine-compile", default="aot", choices=["none", "aot"],
                    help="instar's --engine.compile (aot: the dense layers AOT-compiled, built once per model shape)")
-    p.add_argument("--trainer-compile", default=False, action=argparse.BooleanOptionalAction,
+    p.add_argument("--trainer-compile", default=True, action=argparse.BooleanOptionalAction,
                    help="instar's --fsdp.compile (the trainer's dense layers through torch.compile)")
     p.add_argument("--cpu-matmul", default="auto", choices=["auto", "onednn", "blas"],
                    help="instar's --fsdp.cpu_matmul (the trainer's float32 linear layers through oneDNN or the BLAS)")
