@@ -7,9 +7,9 @@ part of a layer before attention (norm, q/k/v projections, q/k norms, RoPE) and 
 around the same matmuls. The token count is a dynamic dimension, so one build serves prefill and
 decode steps of any size; the weights are inputs, so weight updates and a drain's second model need
 no rebuild. A build takes ~20 s and a C++ compiler; it is cached on disk by shape, dtype, thread
-count, machine and torch version. Attention and the cache stay eager (`kv_model.attend`). The
-arithmetic is the eager layer's up to float rounding (fused loops sum in another order): not
-bit-identical to HF's forward.
+count, machine and torch version. Attention and the cache stay outside (`kv_model.attend`; decode rows
+through `decode_kernel`). The arithmetic is the eager layer's up to float rounding (fused loops sum
+in another order): not bit-identical to HF's forward.
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ class AotLayers:
 
     def __init__(self, before: Any, after: Any) -> None:
         self.before, self.after = before.loader, after.loader
+        self.decode: Any = None  # the decode attention kernel built with them (`decode_kernel`), if any
 
     @classmethod
     def load_or_build(cls, layer: nn.Module, eps: float) -> AotLayers:

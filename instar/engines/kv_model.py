@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from instar.engines.aot import AotLayers, compilable
+from instar.engines.decode_kernel import DecodeKernel
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl")
 
@@ -58,7 +59,9 @@ def aot_layers(model: nn.Module) -> AotLayers | None:
     if decoder(model).embed_tokens.weight.dtype != torch.float32 or not all(map(compilable, dense)):
         raise ValueError("--engine.compile aot runs float32 dense layers without projection biases and with a "
                          "SiLU MLP; use --engine.compile none for this model")
-    return AotLayers.load_or_build(dense[0], text_config(model).rms_norm_eps)
+    layers = AotLayers.load_or_build(dense[0], text_config(model).rms_norm_eps)
+    layers.decode = DecodeKernel.load_or_build()
+    return layers
 
 
 def is_moe(layer: nn.Module) -> bool:
@@ -119,6 +122,7 @@ class AttentionGroup:
     mask: torch.Tensor  # (rows, 1, T, span) bool: key position <= query position
     grid: torch.Tensor | None  # (rows, T), padding repeats a row's last token; None: T = 1 and rows = packed order
     valid: torch.Tensor | None  # (rows, T) bool: grid entries that are real tokens; None: all are
+    lengths: torch.Tensor  # (rows,) each row's cached keys after this step's
     _bias: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def decode_bias(self, heads: int) -> torch.Tensor:
@@ -168,7 +172,7 @@ def make_batch(cache: SlotCache, new_ids: list[list[int]], slots: list[int], pas
     groups = []
     if decode:  # no gathering at all
         mask = (torch.arange(int(ends.max())) < ends[:, None])[:, None, None]
-        groups.append(AttentionGroup(slots_t, _first_slot(slots), mask, None, None))
+        groups.append(AttentionGroup(slots_t, _first_slot(slots), mask, None, None, ends))
     else:
         for rows in ((lengths == 1).nonzero()[:, 0], (lengths > 1).nonzero()[:, 0]):
             if len(rows):
@@ -176,7 +180,7 @@ def make_batch(cache: SlotCache, new_ids: list[list[int]], slots: list[int], pas
                 grid = starts[rows][:, None] + torch.minimum(steps, lengths[rows][:, None] - 1)
                 mask = (torch.arange(int(ends[rows].max())) <= positions[grid][:, :, None])[:, None]
                 groups.append(AttentionGroup(slots_t[rows], _first_slot(slots_t[rows].tolist()), mask, grid,
-                                             steps < lengths[rows][:, None]))
+                                             steps < lengths[rows][:, None], ends[rows]))
     tokens = torch.tensor([t for ids in new_ids for t in ids])
     batch = Batch(tokens, positions, write_index.reshape(-1), starts + lengths - 1, groups)
     if rope is not None:
@@ -219,14 +223,24 @@ def attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 
 
 def attend(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: SlotCache, layer: int,
-           batch: Batch) -> torch.Tensor:
+           batch: Batch, kernel: DecodeKernel | None = None) -> torch.Tensor:
     """Write the new keys/values ``k, v`` (N, kv_heads, d) into the cache and attend with ``q`` (N, heads, d)
-    (rotated); returns (N, heads * d), before the output projection."""
+    (rotated); returns (N, heads * d), before the output projection. Decode rows through ``kernel`` when
+    given and it takes them."""
     tokens, head_dim = q.shape[0], cache.shape[3]
     cache.k[layer].view(-1, head_dim).index_copy_(0, batch.write_index, k.reshape(-1, head_dim))
     cache.v[layer].view(-1, head_dim).index_copy_(0, batch.write_index, v.reshape(-1, head_dim))
     out = torch.empty_like(q)
     for group in batch.groups:
+        if kernel is not None and (group.grid is None or group.grid.shape[1] == 1) and kernel.takes(q, cache.k[layer]):
+            rows = group.grid[:, 0] if group.grid is not None else None
+            o = kernel(q if rows is None else q[rows], cache.k[layer], cache.v[layer], group.slots, group.lengths,
+                       attn.scaling)
+            if rows is None:
+                out = o
+            else:
+                out[rows] = o
+            continue
         span, first = group.mask.shape[-1], group.first_slot
         if first is not None:  # the rows' slots in order: the cache's own slice
             keys = cache.k[layer][first: first + len(group.slots), :, :span]
@@ -284,7 +298,7 @@ def forward(model: nn.Module, cache: SlotCache, batch: Batch,
     for i, layer in enumerate(inner.layers):
         if aot is not None and not is_moe(layer):
             q, k, v = aot.before_attention(layer, h, cos, sin)
-            h = aot.after_attention(layer, h, attend(layer.self_attn, q, k, v, cache, i, batch))
+            h = aot.after_attention(layer, h, attend(layer.self_attn, q, k, v, cache, i, batch, aot.decode))
         else:
             h = h + attention(layer.self_attn, _norm(layer.input_layernorm, h), cos, sin, cache, i, batch)
             x = _norm(layer.post_attention_layernorm, h)

@@ -1,0 +1,136 @@
+"""The embedded engine's decode attention as a small C kernel (with `--engine.compile aot`).
+
+Why: in a decode step each row's query heads attend over that row's cached keys, a few query heads per
+key/value head. PyTorch runs it as two batched matmuls of 2 x span products (`kv_model._decode_attention`),
+where the BLAS's cost per tiny matrix dominates: at the demo's shapes (64 rows, 4 query heads over 2
+key/value heads of 32, ~60 cached keys) 145 us a layer, against 70 here, with decode attention about a quarter
+of an engine step. The kernel reads each row's keys and values where they lie in the cache (no gather, no
+mask: it stops at the row's length), one row and key/value head per task, over the torch threads.
+
+Built once per machine by the C compiler that `--engine.compile aot` already needs, and cached beside its
+builds. It is compiled with -ffast-math (a vectorised exp, reassociated sums) but linked without it, so that
+loading it does not set the process's floats to flush denormals to zero. Float32, head widths 32, 64 and 128;
+anything else (or no compiler) keeps the matmuls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from instar.engines.aot import cache_dir
+
+WIDTHS = (32, 64, 128)
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+
+/* One row and key/value head: its query heads (`group` of them, D wide) over its n cached keys. */
+#define HEAD(D)                                                                                              \
+static void head_##D(const float *restrict Q, const float *restrict K, const float *restrict V,             \
+                     float *restrict S, float *restrict O, int64_t n, int64_t group, float scale) {         \
+    enum { W = D / 16 };                                                                                     \
+    for (int64_t g = 0; g < group; g++) {                                                                    \
+        v16 q[W], acc[W], x; float m = -3.0e38f, sum = 0.f;                                                  \
+        for (int w = 0; w < W; w++) { memcpy(&q[w], Q + g * D + 16 * w, 64); q[w] *= scale; acc[w] = q[w] * 0.f; } \
+        for (int64_t j = 0; j < n; j++) {                                                                    \
+            v16 p = q[0] * 0.f; float s = 0.f;                                                               \
+            for (int w = 0; w < W; w++) { memcpy(&x, K + j * D + 16 * w, 64); p += q[w] * x; }              \
+            for (int i = 0; i < 16; i++) s += p[i];                                                          \
+            S[j] = s; m = s > m ? s : m;                                                                     \
+        }                                                                                                    \
+        _Pragma("omp simd reduction(+:sum)")                                                                 \
+        for (int64_t j = 0; j < n; j++) { S[j] = expf(fmaxf(S[j] - m, -80.f)); sum += S[j]; }                \
+        for (int64_t j = 0; j < n; j++)                                                                      \
+            for (int w = 0; w < W; w++) { memcpy(&x, V + j * D + 16 * w, 64); acc[w] += S[j] * x; }         \
+        for (int w = 0; w < W; w++) { acc[w] /= sum; memcpy(O + g * D + 16 * w, &acc[w], 64); }             \
+    }                                                                                                        \
+}
+HEAD(32)
+HEAD(64)
+HEAD(128)
+
+/* q, out (rows, heads, d); caches (slots, kv_heads, capacity, d); row r reads slot slots[r], lengths[r] keys;
+   scratch: rows * kv_heads * span floats (span >= every length). */
+void decode_attention(const float *q, const float *kc, const float *vc, const int64_t *slots,
+                      const int64_t *lengths, float *out, float *scratch, int64_t rows, int64_t heads,
+                      int64_t kv_heads, int64_t capacity, int64_t d, int64_t span, float scale, int threads) {
+    const int64_t group = heads / kv_heads;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < rows * kv_heads; t++) {
+        const int64_t r = t / kv_heads, at = (slots[r] * kv_heads + t % kv_heads) * capacity * d;
+        const float *Q = q + (r * heads + (t % kv_heads) * group) * d;
+        float *O = out + (r * heads + (t % kv_heads) * group) * d, *S = scratch + t * span;
+        if (d == 32) head_32(Q, kc + at, vc + at, S, O, lengths[r], group, scale);
+        else if (d == 64) head_64(Q, kc + at, vc + at, S, O, lengths[r], group, scale);
+        else head_128(Q, kc + at, vc + at, S, O, lengths[r], group, scale);
+    }
+}
+"""
+
+
+class DecodeKernel:
+    def __init__(self, path: Path) -> None:
+        # PyDLL: the call keeps the GIL, as a torch op does; released, the engine thread would wait to get it
+        # back from the event loop thread (up to its 5 ms switch interval)
+        self._fn = ctypes.PyDLL(str(path)).decode_attention
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        self._fn.argtypes = [p] * 7 + [i] * 6 + [ctypes.c_float, ctypes.c_int]
+        self._fn.restype = None
+
+    @classmethod
+    def load_or_build(cls) -> DecodeKernel | None:
+        """The kernel built for this machine (cached), or None where it cannot be built."""
+        cc = os.environ.get("CC", "cc")
+        key = hashlib.sha256(repr((_SOURCE, cc, platform.node(), platform.machine())).encode()).hexdigest()[:16]
+        path = cache_dir() / f"{key}-decode.so"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                src, obj, lib = (f"{tmp}/decode.{ext}" for ext in ("c", "o", "so"))
+                Path(src).write_text(_SOURCE)
+                try:  # compiled with fast math, linked without it (see the module's doc)
+                    subprocess.run([cc, "-c", "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", src,
+                                    "-o", obj], check=True, capture_output=True)
+                    subprocess.run([cc, "-shared", "-fopenmp", obj, "-o", lib, "-lmvec", "-lm"], check=True,
+                                   capture_output=True)
+                except (OSError, subprocess.CalledProcessError) as error:
+                    detail = getattr(error, "stderr", b"") or str(error).encode()
+                    print(f"instar: the engine's decode attention stays on matmuls: its kernel did not build "
+                          f"({detail.decode(errors='replace').strip()[:200]})")
+                    return None
+                os.replace(lib, path)  # atomic: engines may build at once
+        return cls(path)
+
+    @staticmethod
+    def takes(q: torch.Tensor, cache: torch.Tensor) -> bool:
+        """Whether the kernel computes this query over this cache (float32, a width it was built for)."""
+        return q.dtype == cache.dtype == torch.float32 and q.shape[-1] in WIDTHS
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                 lengths: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of ``q (rows, heads, d)``, row r over the first ``lengths[r]`` keys and values of cache slot
+        ``slots[r]`` (``k_cache``, ``v_cache``: (slots, kv_heads, capacity, d)); returns (rows, heads, d)."""
+        q = q.contiguous()
+        rows, heads, d = q.shape
+        _, kv_heads, capacity, _ = k_cache.shape
+        span = int(lengths.max())
+        if span > capacity or int(slots.max()) >= k_cache.shape[0] or v_cache.shape != k_cache.shape:
+            raise ValueError(f"decode attention over {span} keys of slots up to {int(slots.max())} would read past "
+                             f"the cache {tuple(k_cache.shape)}")
+        out, scratch = torch.empty_like(q), torch.empty(rows * kv_heads * span)
+        self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lengths.data_ptr(),
+                 out.data_ptr(), scratch.data_ptr(), rows, heads, kv_heads, capacity, d, span, scale,
+                 torch.get_num_threads())
+        return out

@@ -1,0 +1,44 @@
+"""The engine's decode attention kernel (`--engine.compile aot`) against the matmuls it replaces: rows in any
+cache slots, each over its own number of cached keys; loading it leaves the process's float mode alone; without
+a compiler the engine keeps the matmuls."""
+
+import pytest
+import torch
+
+from instar.engines import kv_model as km
+from instar.engines.decode_kernel import DecodeKernel
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    built = DecodeKernel.load_or_build()
+    assert built is not None  # the test machine has the C compiler that --engine.compile aot needs
+    return built
+
+
+@pytest.mark.parametrize("d,heads,kv_heads", [(32, 4, 2), (64, 4, 4), (128, 8, 1)])
+def test_the_kernel_equals_the_matmuls(kernel, d, heads, kv_heads):
+    g = torch.Generator().manual_seed(d + heads)
+    k_cache, v_cache = (torch.randn(10, kv_heads, 50, d, generator=g) for _ in range(2))
+    slots, lengths = torch.tensor([7, 2, 9, 0, 5, 3]), torch.tensor([1, 50, 17, 33, 2, 49])
+    q = torch.randn(6, heads, d, generator=g) * 3
+    span = int(lengths.max())
+    bias = torch.zeros(6, heads, span).masked_fill_(torch.arange(span) >= lengths[:, None, None], float("-inf"))
+    want = km._decode_attention(q, k_cache[slots, :, :span], v_cache[slots, :, :span], bias, d ** -0.5)
+    torch.testing.assert_close(kernel(q, k_cache, v_cache, slots, lengths, d ** -0.5), want, rtol=1e-5, atol=1e-5)
+    assert kernel.takes(q, k_cache) and not kernel.takes(q.bfloat16(), k_cache.bfloat16())
+    assert not kernel.takes(torch.zeros(6, heads, 48), torch.zeros(10, kv_heads, 50, 48))
+    with pytest.raises(ValueError, match="would read past"):
+        kernel(q, k_cache, v_cache, slots, lengths + 1, d ** -0.5)
+
+
+def test_loading_it_keeps_denormal_floats(kernel):
+    """Linked with -ffast-math, a shared library sets flush-to-zero for the whole process when loaded."""
+    assert (torch.tensor([1e-40]) * 1.0).item() > 0
+
+
+def test_without_a_compiler_the_engine_keeps_the_matmuls(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("INSTAR_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert DecodeKernel.load_or_build() is None
+    assert "stays on matmuls" in capsys.readouterr().out
