@@ -233,13 +233,8 @@ def attend(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     out = torch.empty_like(q)
     for group in batch.groups:
         if kernel is not None and (group.grid is None or group.grid.shape[1] == 1) and kernel.takes(q, cache.k[layer]):
-            rows = group.grid[:, 0] if group.grid is not None else None
-            o = kernel(q if rows is None else q[rows], cache.k[layer], cache.v[layer], group.slots, group.lengths,
-                       attn.scaling)
-            if rows is None:
-                out = o
-            else:
-                out[rows] = o
+            rows = slice(None) if group.grid is None else group.grid[:, 0]  # decode rows: one query each
+            out[rows] = kernel(q[rows], cache.k[layer], cache.v[layer], group.slots, group.lengths, attn.scaling)
             continue
         span, first = group.mask.shape[-1], group.first_slot
         if first is not None:  # the rows' slots in order: the cache's own slice
