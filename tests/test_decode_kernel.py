@@ -42,3 +42,18 @@ def test_without_a_compiler_the_engine_keeps_the_matmuls(monkeypatch, tmp_path, 
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     assert DecodeKernel.load_or_build() is None
     assert "stays on matmuls" in capsys.readouterr().out
+
+
+def test_a_step_that_decodes_and_prefills_equals_the_eager_engine(tiny_model_dir, kernel):
+    """The decode rows of a step that also prefills go through the kernel (scattered back among the others)."""
+    from instar.train.model import load_model
+    model = load_model(str(tiny_model_dir))
+    aot, logits = km.aot_layers(model), []
+    assert aot.decode is not None
+    for layers in (aot, None):
+        cache = km.SlotCache(model, 4, 16)
+        km.forward(model, cache, km.make_batch(cache, [[5, 6, 7], [8, 9]], [0, 1], [0, 0]), layers)
+        step = km.make_batch(cache, [[10], [11, 12, 13, 14], [15]], [0, 2, 1], [3, 0, 2])
+        assert [g.grid is not None and g.grid.shape[1] for g in step.groups] == [1, 4]  # decode rows, a prefill
+        logits.append(km.forward(model, cache, step, layers)[0])
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-5)

@@ -234,7 +234,8 @@ def attend(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     for group in batch.groups:
         if kernel is not None and (group.grid is None or group.grid.shape[1] == 1) and kernel.takes(q, cache.k[layer]):
             rows = slice(None) if group.grid is None else group.grid[:, 0]  # decode rows: one query each
-            out[rows] = kernel(q[rows], cache.k[layer], cache.v[layer], group.slots, group.lengths, attn.scaling)
+            o = kernel(q[rows], cache.k[layer], cache.v[layer], group.slots, group.lengths, attn.scaling)
+            out = o if group.grid is None else out.index_copy_(0, rows, o)  # a pure decode step: no copy
             continue
         span, first = group.mask.shape[-1], group.first_slot
         if first is not None:  # the rows' slots in order: the cache's own slice
