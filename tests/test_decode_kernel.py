@@ -25,11 +25,30 @@ def test_the_kernel_equals_the_matmuls(kernel, d, heads, kv_heads):
     span = int(lengths.max())
     bias = torch.zeros(6, heads, span).masked_fill_(torch.arange(span) >= lengths[:, None, None], float("-inf"))
     want = km._decode_attention(q, k_cache[slots, :, :span], v_cache[slots, :, :span], bias, d ** -0.5)
-    torch.testing.assert_close(kernel(q, k_cache, v_cache, slots, lengths, d ** -0.5), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernel(q, k_cache, v_cache, slots, lengths, span, d ** -0.5), want, rtol=1e-5,
+                               atol=1e-5)
     assert kernel.takes(q, k_cache) and not kernel.takes(q.bfloat16(), k_cache.bfloat16())
     assert not kernel.takes(torch.zeros(6, heads, 48), torch.zeros(10, kv_heads, 50, 48))
+    for bad_lengths, bad_span in ((lengths + 1, span + 1), (lengths, span - 1), (lengths - lengths, span)):
+        with pytest.raises(ValueError, match="would read past"):  # past the cache, the scratch, or no key at all
+            kernel(q, k_cache, v_cache, slots, bad_lengths, bad_span, d ** -0.5)
     with pytest.raises(ValueError, match="would read past"):
-        kernel(q, k_cache, v_cache, slots, lengths + 1, d ** -0.5)
+        kernel(q, k_cache, v_cache, slots + 1, lengths, span, d ** -0.5)
+
+
+def test_the_kernel_writes_the_new_keys_before_reading_them(kernel):
+    """A decode step's cache write in the kernel's pass: the same cache and output as writing first."""
+    g = torch.Generator().manual_seed(3)
+    k_cache, v_cache = (torch.randn(5, 2, 20, 32, generator=g) for _ in range(2))
+    slots, lengths = torch.tensor([4, 0, 2]), torch.tensor([7, 20, 1])
+    q, k_new, v_new = (torch.randn(3, n, 32, generator=g) for n in (4, 2, 2))
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    k_want[slots, :, lengths - 1], v_want[slots, :, lengths - 1] = k_new, v_new
+    want = kernel(q, k_want, v_want, slots, lengths, 20, 0.2)
+    got = kernel(q, k_cache, v_cache, slots, lengths, 20, 0.2, (k_new, v_new))
+    assert torch.equal(got, want) and torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
+    with pytest.raises(ValueError, match="new keys"):
+        kernel(q, k_cache, v_cache, slots, lengths, 20, 0.2, (k_new[:2], v_new[:2]))
 
 
 def test_loading_it_keeps_denormal_floats(kernel):

@@ -388,3 +388,20 @@ def test_closed_engine_refuses_requests(dense):
             await engine.generate(PROMPTS[0], SamplingParams())
 
     asyncio.run(main())
+
+
+def test_the_rotary_table_holds_hfs_values_at_every_position(dense):
+    """A step looks its rotary cos / sin up in a table of every cached position: exactly what HF computes
+    for those positions in the step, before and after the cache (and so the table) grows."""
+    from instar.engines import kv_model as km
+    emb = km.decoder(dense).rotary_emb
+    assert emb.rope_type in km.STATIC_ROPE
+    cache = km.SlotCache(dense, 2, 16)
+    h = torch.zeros(3, dense.config.hidden_size)
+    for positions in (torch.tensor([0, 7, 15]), torch.tensor([3, 40, 63])):
+        cache.reserve(int(positions.max()) + 1)
+        table = km._rotary_table(emb, h, cache)
+        assert table[0].shape[0] == cache.shape[2] >= 64 or positions.max() < 16
+        want = km._rotary(emb, h, positions[None])
+        for got, expected in zip(table, want):
+            assert torch.equal(got[positions], expected)

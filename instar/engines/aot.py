@@ -21,6 +21,7 @@ import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +94,14 @@ class AotLayers:
     def __init__(self, before: Any, after: Any) -> None:
         self.before, self.after = before.loader, after.loader
         self.decode: Any = None  # the decode attention kernel built with them (`decode_kernel`), if any
+        # each layer's weights, looked up once: a module's attribute lookups cost a few us each, ~25 a step.
+        # Weight updates copy into the same tensors; a drained model is other layers (other keys).
+        self._weights: WeakKeyDictionary[nn.Module, tuple[tuple, tuple]] = WeakKeyDictionary()
+
+    def weights(self, layer: nn.Module) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        if (found := self._weights.get(layer)) is None:
+            found = self._weights[layer] = (_before_weights(layer), _after_weights(layer))
+        return found
 
     @classmethod
     def load_or_build(cls, layer: nn.Module, eps: float) -> AotLayers:
@@ -135,14 +144,14 @@ class AotLayers:
         """Rotated q (N, heads, d), rotated k and v (N, kv_heads, d) of the packed hidden states ``h``."""
         if h.shape[0] == 1:  # the build's token dimension starts at 2: the token twice, one result kept
             return tuple(t[:1] for t in self.before_attention(layer, _twice(h), _twice(cos), _twice(sin)))
-        return tuple(self.before.boxed_run([h.contiguous(), *_before_weights(layer), cos.contiguous(),
+        return tuple(self.before.boxed_run([h.contiguous(), *self.weights(layer)[0], cos.contiguous(),
                                             sin.contiguous()]))
 
     def after_attention(self, layer: nn.Module, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """The layer's output from its input ``h`` and attention's output ``o`` (N, heads * d)."""
         if h.shape[0] == 1:
             return self.after_attention(layer, _twice(h), _twice(o))[:1]
-        return self.after.boxed_run([h.contiguous(), o.contiguous(), *_after_weights(layer)])[0]
+        return self.after.boxed_run([h.contiguous(), o.contiguous(), *self.weights(layer)[1]])[0]
 
 
 def _twice(t: torch.Tensor) -> torch.Tensor:

@@ -61,21 +61,32 @@ HEAD(32)
 HEAD(64)
 HEAD(128)
 
-/* q, out (rows, heads, d); caches (slots, kv_heads, capacity, d); row r reads slot slots[r], lengths[r] keys;
-   scratch: rows * kv_heads * span floats (span >= every length). */
-void decode_attention(const float *q, const float *kc, const float *vc, const int64_t *slots,
-                      const int64_t *lengths, float *out, float *scratch, int64_t rows, int64_t heads,
-                      int64_t kv_heads, int64_t capacity, int64_t d, int64_t span, float scale, int threads) {
+/* q, out (rows, heads, d); caches (n_slots, kv_heads, capacity, d); row r reads slot slots[r], lengths[r] keys;
+   k_new, v_new (rows, kv_heads, d) or NULL: the rows' new keys and values, written at position lengths[r] - 1
+   first; scratch: rows * kv_heads * span floats. Returns -1 (and computes nothing) where a row would read or
+   write outside the cache or the scratch. */
+int decode_attention(const float *q, const float *k_new, const float *v_new, float *kc, float *vc,
+                     const int64_t *slots, const int64_t *lengths, float *out, float *scratch, int64_t rows,
+                     int64_t heads, int64_t kv_heads, int64_t n_slots, int64_t capacity, int64_t d, int64_t span,
+                     float scale, int threads) {
+    for (int64_t r = 0; r < rows; r++)
+        if (slots[r] < 0 || slots[r] >= n_slots || lengths[r] < 1 || lengths[r] > span || span > capacity)
+            return -1;
     const int64_t group = heads / kv_heads;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < rows * kv_heads; t++) {
         const int64_t r = t / kv_heads, at = (slots[r] * kv_heads + t % kv_heads) * capacity * d;
         const float *Q = q + (r * heads + (t % kv_heads) * group) * d;
         float *O = out + (r * heads + (t % kv_heads) * group) * d, *S = scratch + t * span;
+        if (k_new) {
+            memcpy(kc + at + (lengths[r] - 1) * d, k_new + t * d, d * sizeof(float));
+            memcpy(vc + at + (lengths[r] - 1) * d, v_new + t * d, d * sizeof(float));
+        }
         if (d == 32) head_32(Q, kc + at, vc + at, S, O, lengths[r], group, scale);
         else if (d == 64) head_64(Q, kc + at, vc + at, S, O, lengths[r], group, scale);
         else head_128(Q, kc + at, vc + at, S, O, lengths[r], group, scale);
     }
+    return 0;
 }
 """
 
@@ -86,8 +97,8 @@ class DecodeKernel:
         # back from the event loop thread (up to its 5 ms switch interval)
         self._fn = ctypes.PyDLL(str(path)).decode_attention
         p, i = ctypes.c_void_p, ctypes.c_int64
-        self._fn.argtypes = [p] * 7 + [i] * 6 + [ctypes.c_float, ctypes.c_int]
-        self._fn.restype = None
+        self._fn.argtypes = [p] * 9 + [i] * 7 + [ctypes.c_float, ctypes.c_int]
+        self._fn.restype = ctypes.c_int
 
     @classmethod
     def load_or_build(cls) -> DecodeKernel | None:
@@ -119,18 +130,23 @@ class DecodeKernel:
         return q.dtype == cache.dtype == torch.float32 and q.shape[-1] in WIDTHS
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                 lengths: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention of ``q (rows, heads, d)``, row r over the first ``lengths[r]`` keys and values of cache slot
-        ``slots[r]`` (``k_cache``, ``v_cache``: (slots, kv_heads, capacity, d)); returns (rows, heads, d)."""
+                 lengths: torch.Tensor, span: int, scale: float,
+                 new: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Attention of ``q (rows, heads, d)``, row r over the first ``lengths[r]`` (at most ``span``) keys and
+        values of cache slot ``slots[r]`` (``k_cache``, ``v_cache``: (slots, kv_heads, capacity, d)); returns
+        (rows, heads, d). ``new``: the rows' keys and values of this step (rows, kv_heads, d), written into the
+        cache at each row's last position first (a decode step's cache write, in the same pass)."""
         q = q.contiguous()
         rows, heads, d = q.shape
-        _, kv_heads, capacity, _ = k_cache.shape
-        span = int(lengths.max())
-        if span > capacity or int(slots.max()) >= k_cache.shape[0] or v_cache.shape != k_cache.shape:
-            raise ValueError(f"decode attention over {span} keys of slots up to {int(slots.max())} would read past "
-                             f"the cache {tuple(k_cache.shape)}")
+        n_slots, kv_heads, capacity, _ = k_cache.shape
+        new = (None, None) if new is None else tuple(t.contiguous() for t in new)
+        if v_cache.shape != k_cache.shape or any(t is not None and t.shape != (rows, kv_heads, d) for t in new):
+            raise ValueError(f"decode attention: caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}, query "
+                             f"{tuple(q.shape)} and new keys {[None if t is None else tuple(t.shape) for t in new]}")
         out, scratch = torch.empty_like(q), torch.empty(rows * kv_heads * span)
-        self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), lengths.data_ptr(),
-                 out.data_ptr(), scratch.data_ptr(), rows, heads, kv_heads, capacity, d, span, scale,
-                 torch.get_num_threads())
+        tensors = (q, *new, k_cache, v_cache, slots, lengths, out, scratch)
+        pointers = [None if t is None else t.data_ptr() for t in tensors]
+        if self._fn(*pointers, rows, heads, kv_heads, n_slots, capacity, d, span, scale, torch.get_num_threads()):
+            raise ValueError(f"decode attention over up to {int(lengths.max())} keys (span {span}) of slots up to "
+                             f"{int(slots.max())} would read past the cache {tuple(k_cache.shape)}")
         return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.nn.functional as F
@@ -64,8 +65,13 @@ def aot_layers(model: nn.Module) -> AotLayers | None:
     return layers
 
 
+_MOE: WeakKeyDictionary[nn.Module, bool] = WeakKeyDictionary()
+
+
 def is_moe(layer: nn.Module) -> bool:
-    return hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
+    if (moe := _MOE.get(layer)) is None:  # asked every step: a module's hasattr costs an exception
+        moe = _MOE[layer] = hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
+    return moe
 
 
 class SlotCache:
@@ -228,14 +234,18 @@ def attend(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     (rotated); returns (N, heads * d), before the output projection. Decode rows through ``kernel`` when
     given and it takes them."""
     tokens, head_dim = q.shape[0], cache.shape[3]
+    kernel = kernel if kernel is not None and kernel.takes(q, cache.k[layer]) else None
+    if kernel is not None and (group := batch.groups[0]).grid is None:  # a pure decode step
+        return kernel(q, cache.k[layer], cache.v[layer], group.slots, group.lengths, group.mask.shape[-1],
+                      attn.scaling, (k, v)).reshape(tokens, -1)  # the kernel writes the new keys and values too
     cache.k[layer].view(-1, head_dim).index_copy_(0, batch.write_index, k.reshape(-1, head_dim))
     cache.v[layer].view(-1, head_dim).index_copy_(0, batch.write_index, v.reshape(-1, head_dim))
     out = torch.empty_like(q)
     for group in batch.groups:
-        if kernel is not None and (group.grid is None or group.grid.shape[1] == 1) and kernel.takes(q, cache.k[layer]):
-            rows = slice(None) if group.grid is None else group.grid[:, 0]  # decode rows: one query each
-            o = kernel(q[rows], cache.k[layer], cache.v[layer], group.slots, group.lengths, attn.scaling)
-            out = o if group.grid is None else out.index_copy_(0, rows, o)  # a pure decode step: no copy
+        if kernel is not None and group.grid.shape[1] == 1:
+            rows = group.grid[:, 0]  # the decode rows of a step that also prefills: one query each
+            out.index_copy_(0, rows, kernel(q[rows], cache.k[layer], cache.v[layer], group.slots, group.lengths,
+                                            group.mask.shape[-1], attn.scaling))
             continue
         span, first = group.mask.shape[-1], group.first_slot
         if first is not None:  # the rows' slots in order: the cache's own slice
@@ -276,6 +286,27 @@ def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
 
 
+# Rotary embeddings that are a function of the position alone (others rescale with the sequence's length)
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+_ROTARY_TABLES: WeakKeyDictionary[nn.Module, tuple[torch.Tensor, torch.Tensor]] = WeakKeyDictionary()
+
+
+def _rotary(emb: nn.Module, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's cos and sin at ``positions`` ``(1 or 3, N)`` as (N, head_dim), sin signed (see `attention`)."""
+    cos, sin = emb(h, positions)
+    half = sin.shape[-1] // 2
+    return cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+
+
+def _rotary_table(emb: nn.Module, h: torch.Tensor, cache: SlotCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_rotary` of every position the cache holds, computed once (again when the cache grows): a step looks
+    its positions up instead of ~10 small ops. The same values: each is the same product, cos and sin."""
+    table = _ROTARY_TABLES.get(emb)
+    if table is None or table[0].shape[0] < cache.shape[2] or table[0].dtype != h.dtype:
+        table = _ROTARY_TABLES[emb] = _rotary(emb, h, torch.arange(cache.shape[2])[None])
+    return table
+
+
 @torch.inference_mode()
 def forward(model: nn.Module, cache: SlotCache, batch: Batch,
             aot: AotLayers | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -286,10 +317,11 @@ def forward(model: nn.Module, cache: SlotCache, batch: Batch,
     h = inner.embed_tokens(batch.tokens)
     if batch.visual is not None:  # image tokens: the vision tower's merged patches instead of the embedding
         h[batch.visual] = batch.features[0].to(h.dtype)
-    cos, sin = inner.rotary_emb(h, (batch.positions[None] if batch.rope is None else batch.rope[:, None]))
-    cos, sin = cos[0, :, None], sin[0, :, None]  # (N, 1, head_dim): broadcast over heads
-    half = sin.shape[-1] // 2
-    sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # see `attention`
+    if batch.rope is None and getattr(inner.rotary_emb, "rope_type", None) in STATIC_ROPE:
+        cos, sin = (t.index_select(0, batch.positions)[:, None] for t in _rotary_table(inner.rotary_emb, h, cache))
+    else:
+        positions = batch.positions[None] if batch.rope is None else batch.rope[:, None]
+        cos, sin = (t[:, None] for t in _rotary(inner.rotary_emb, h, positions))
     routed = []
     for i, layer in enumerate(inner.layers):
         if aot is not None and not is_moe(layer):
