@@ -36,24 +36,29 @@ _SOURCE = r"""
 
 typedef float v16 __attribute__((vector_size(64)));
 
-/* One row and key/value head: its query heads (`group` of them, D wide) over its n cached keys. */
+/* One row and key/value head: its query heads (`group` of them, D wide) over its n cached keys, the first p of
+   them read from another slot that holds the same ones (Ks, Vs: a group's shared prompt, read there by every
+   row of the group in turn, so that it comes from memory once and from the core's cache after). */
 #define HEAD(D)                                                                                              \
-static void head_##D(const float *restrict Q, const float *restrict K, const float *restrict V,             \
+static void head_##D(const float *Q, const float *Ks, const float *Vs, int64_t p, const float *K, const float *V, \
                      float *restrict S, float *restrict O, int64_t n, int64_t group, float scale) {         \
     enum { W = D / 16 };                                                                                     \
     for (int64_t g = 0; g < group; g++) {                                                                    \
         v16 q[W], acc[W], x; float m = -3.0e38f, sum = 0.f;                                                  \
         for (int w = 0; w < W; w++) { memcpy(&q[w], Q + g * D + 16 * w, 64); q[w] *= scale; acc[w] = q[w] * 0.f; } \
         for (int64_t j = 0; j < n; j++) {                                                                    \
-            v16 p = q[0] * 0.f; float s = 0.f;                                                               \
-            for (int w = 0; w < W; w++) { memcpy(&x, K + j * D + 16 * w, 64); p += q[w] * x; }              \
-            for (int i = 0; i < 16; i++) s += p[i];                                                          \
+            const float *k = (j < p ? Ks : K) + j * D;                                                       \
+            v16 e = q[0] * 0.f; float s = 0.f;                                                               \
+            for (int w = 0; w < W; w++) { memcpy(&x, k + 16 * w, 64); e += q[w] * x; }                      \
+            for (int i = 0; i < 16; i++) s += e[i];                                                          \
             S[j] = s; m = s > m ? s : m;                                                                     \
         }                                                                                                    \
         _Pragma("omp simd reduction(+:sum)")                                                                 \
         for (int64_t j = 0; j < n; j++) { S[j] = expf(fmaxf(S[j] - m, -80.f)); sum += S[j]; }                \
-        for (int64_t j = 0; j < n; j++)                                                                      \
-            for (int w = 0; w < W; w++) { memcpy(&x, V + j * D + 16 * w, 64); acc[w] += S[j] * x; }         \
+        for (int64_t j = 0; j < n; j++) {                                                                    \
+            const float *v = (j < p ? Vs : V) + j * D;                                                       \
+            for (int w = 0; w < W; w++) { memcpy(&x, v + 16 * w, 64); acc[w] += S[j] * x; }                 \
+        }                                                                                                    \
         for (int w = 0; w < W; w++) { acc[w] /= sum; memcpy(O + g * D + 16 * w, &acc[w], 64); }             \
     }                                                                                                        \
 }
@@ -61,30 +66,34 @@ HEAD(32)
 HEAD(64)
 HEAD(128)
 
-/* q, out (rows, heads, d); caches (n_slots, kv_heads, capacity, d); row r reads slot slots[r], lengths[r] keys;
-   k_new, v_new (rows, kv_heads, d) or NULL: the rows' new keys and values, written at position lengths[r] - 1
-   first; scratch: rows * kv_heads * span floats. Returns -1 (and computes nothing) where a row would read or
-   write outside the cache or the scratch. */
+/* q, out (rows, heads, d); caches (n_slots, kv_heads, capacity, d); row r reads slot slots[r], lengths[r] keys,
+   the first shared[r] of them from slot sources[r] (sources NULL: none); k_new, v_new (rows, kv_heads, d) or
+   NULL: the rows' new keys and values, written at position lengths[r] - 1 first; scratch: rows * kv_heads *
+   span floats. Returns -1 (and computes nothing) where a row would read or write outside the cache or the
+   scratch. */
 int decode_attention(const float *q, const float *k_new, const float *v_new, float *kc, float *vc,
-                     const int64_t *slots, const int64_t *lengths, float *out, float *scratch, int64_t rows,
-                     int64_t heads, int64_t kv_heads, int64_t n_slots, int64_t capacity, int64_t d, int64_t span,
-                     float scale, int threads) {
+                     const int64_t *slots, const int64_t *lengths, const int64_t *sources, const int64_t *shared,
+                     float *out, float *scratch, int64_t rows, int64_t heads, int64_t kv_heads, int64_t n_slots,
+                     int64_t capacity, int64_t d, int64_t span, float scale, int threads) {
     for (int64_t r = 0; r < rows; r++)
-        if (slots[r] < 0 || slots[r] >= n_slots || lengths[r] < 1 || lengths[r] > span || span > capacity)
+        if (slots[r] < 0 || slots[r] >= n_slots || lengths[r] < 1 || lengths[r] > span || span > capacity ||
+            (sources && (sources[r] < 0 || sources[r] >= n_slots || shared[r] < 0 || shared[r] >= lengths[r])))
             return -1;
     const int64_t group = heads / kv_heads;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < rows * kv_heads; t++) {
-        const int64_t r = t / kv_heads, at = (slots[r] * kv_heads + t % kv_heads) * capacity * d;
+        const int64_t r = t / kv_heads, head = (t % kv_heads) * capacity * d;
+        const int64_t at = slots[r] * kv_heads * capacity * d + head;
+        const int64_t from = sources ? sources[r] * kv_heads * capacity * d + head : at, p = sources ? shared[r] : 0;
         const float *Q = q + (r * heads + (t % kv_heads) * group) * d;
         float *O = out + (r * heads + (t % kv_heads) * group) * d, *S = scratch + t * span;
         if (k_new) {
             memcpy(kc + at + (lengths[r] - 1) * d, k_new + t * d, d * sizeof(float));
             memcpy(vc + at + (lengths[r] - 1) * d, v_new + t * d, d * sizeof(float));
         }
-        if (d == 32) head_32(Q, kc + at, vc + at, S, O, lengths[r], group, scale);
-        else if (d == 64) head_64(Q, kc + at, vc + at, S, O, lengths[r], group, scale);
-        else head_128(Q, kc + at, vc + at, S, O, lengths[r], group, scale);
+        if (d == 32) head_32(Q, kc + from, vc + from, p, kc + at, vc + at, S, O, lengths[r], group, scale);
+        else if (d == 64) head_64(Q, kc + from, vc + from, p, kc + at, vc + at, S, O, lengths[r], group, scale);
+        else head_128(Q, kc + from, vc + from, p, kc + at, vc + at, S, O, lengths[r], group, scale);
     }
     return 0;
 }
@@ -97,7 +106,7 @@ class DecodeKernel:
         # back from the event loop thread (up to its 5 ms switch interval)
         self._fn = ctypes.PyDLL(str(path)).decode_attention
         p, i = ctypes.c_void_p, ctypes.c_int64
-        self._fn.argtypes = [p] * 9 + [i] * 7 + [ctypes.c_float, ctypes.c_int]
+        self._fn.argtypes = [p] * 11 + [i] * 7 + [ctypes.c_float, ctypes.c_int]
         self._fn.restype = ctypes.c_int
 
     @classmethod
@@ -130,12 +139,15 @@ class DecodeKernel:
         return q.dtype == cache.dtype == torch.float32 and q.shape[-1] in WIDTHS
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                 lengths: torch.Tensor, span: int, scale: float,
-                 new: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 lengths: torch.Tensor, span: int, scale: float, new: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Attention of ``q (rows, heads, d)``, row r over the first ``lengths[r]`` (at most ``span``) keys and
         values of cache slot ``slots[r]`` (``k_cache``, ``v_cache``: (slots, kv_heads, capacity, d)); returns
         (rows, heads, d). ``new``: the rows' keys and values of this step (rows, kv_heads, d), written into the
-        cache at each row's last position first (a decode step's cache write, in the same pass)."""
+        cache at each row's last position first (a decode step's cache write, in the same pass). ``shared``: per
+        row a slot and a count: the row's first keys and values, that many, are read from that slot, which holds
+        the same ones (a group's prompt, copied into each of its rows' slots: read from one, it is fetched from
+        memory once)."""
         q = q.contiguous()
         rows, heads, d = q.shape
         n_slots, kv_heads, capacity, _ = k_cache.shape
@@ -144,7 +156,7 @@ class DecodeKernel:
             raise ValueError(f"decode attention: caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}, query "
                              f"{tuple(q.shape)} and new keys {[None if t is None else tuple(t.shape) for t in new]}")
         out, scratch = torch.empty_like(q), torch.empty(rows * kv_heads * span)
-        tensors = (q, *new, k_cache, v_cache, slots, lengths, out, scratch)
+        tensors = (q, *new, k_cache, v_cache, slots, lengths, *(shared or (None, None)), out, scratch)
         pointers = [None if t is None else t.data_ptr() for t in tensors]
         if self._fn(*pointers, rows, heads, kv_heads, n_slots, capacity, d, span, scale, torch.get_num_threads()):
             raise ValueError(f"decode attention over up to {int(lengths.max())} keys (span {span}) of slots up to "

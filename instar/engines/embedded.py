@@ -49,7 +49,7 @@ from instar.engines.kv_model import (
 )
 from instar.engines.prefix_cache import CachedPrefix, PrefixCache, common_prefix_len
 from instar.engines.protocol import EngineLoad, PauseMode, Sampled, check_prompt
-from instar.engines.request import Request, attach_images, image_features
+from instar.engines.request import Request, attach_images, image_features, shared_prompts
 from instar.engines.sampling import sample
 
 
@@ -193,7 +193,7 @@ class EmbeddedEngine:
         else:
             load_named(self._params, named_tensors)
             for request in self._running:
-                request.cached = 0
+                request.cached, request.family = 0, None  # recomputed apart: no longer copies of one prompt
                 request.features.clear()
         self._prefixes.clear()
         self._version = version
@@ -253,7 +253,7 @@ class EmbeddedEngine:
             self._finish(request, "abort")
         self._compact()
         leaders: dict[tuple[int, ...], Request] = {}
-        twins: list[tuple[Request, int]] = []  # (request, its leader's slot: a leader ending at once leaves it)
+        twins: list[tuple[Request, Request, int]] = []  # (request, its leader, the leader's slot: it may end at once)
         while self._queue and len(self._running) < self.cfg.max_num_seqs:
             request = self._queue.popleft()
             request.slot = len(self._running)
@@ -265,14 +265,15 @@ class EmbeddedEngine:
                 # a group's samples arrive together with one prompt: it is computed once, for the first
                 leader = leaders.setdefault(tuple(request.identity(request.prompt_len)), request)
                 if leader is not request:
-                    twins.append((request, leader.slot))
-        waiting = {id(r) for r, _ in twins}
+                    twins.append((request, leader, leader.slot))
+        waiting = {id(r) for r, _, _ in twins}
         for group in self._forward_groups():
             if group := [r for r in group if id(r) not in waiting] if waiting else group:
                 self._run(group)
-        for request, source in twins:  # fed from the last prompt token on, at the next step
+        for request, leader, source in twins:  # fed from the last prompt token on, at the next step
             self._cache.copy(source, request.slot, request.prompt_len - 1)
-            request.cached = request.prompt_len - 1
+            request.cached = request.shared = leader.shared = request.prompt_len - 1
+            request.family = leader.family = leader
             self.stats["prefix_hit_tokens"] += request.cached
         self._compact()  # after the twins' copies: a leader that finished may leave a hole
         if self._previous is not None and not any(r.previous for r in self._running):  # the drain is over
@@ -317,7 +318,8 @@ class EmbeddedEngine:
         if self._vision:
             rope = [r.rope_of(r.cached, len(r.ids)) for r in group]
             images = [image_features(model, r) for r in group]
-        batch = make_batch(self._cache, new, [r.slot for r in group], [r.cached for r in group], rope, images)
+        batch = make_batch(self._cache, new, [r.slot for r in group], [r.cached for r in group], rope, images,
+                           shared_prompts(group))
         logits, routed = forward(model, self._cache, batch, self._aot)
         offset = 0
         for request, ids in zip(group, new):
@@ -397,3 +399,4 @@ class EmbeddedEngine:
             self._cache.write(request.slot, entry.keys, entry.values, n)
             request.cached = n
             self.stats["prefix_hit_tokens"] += n
+

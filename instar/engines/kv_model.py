@@ -129,6 +129,7 @@ class AttentionGroup:
     grid: torch.Tensor | None  # (rows, T), padding repeats a row's last token; None: T = 1 and rows = packed order
     valid: torch.Tensor | None  # (rows, T) bool: grid entries that are real tokens; None: all are
     lengths: torch.Tensor  # (rows,) each row's cached keys after this step's
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows,) twice: a slot, how many first keys read there
     _bias: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def decode_bias(self, heads: int) -> torch.Tensor:
@@ -157,11 +158,13 @@ class Batch:
 
 def make_batch(cache: SlotCache, new_ids: list[list[int]], slots: list[int], past: list[int],
                rope: list[torch.Tensor] | None = None,
-               images: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> Batch:
+               images: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+               shared: list[tuple[int, int]] | None = None) -> Batch:
     """Index tensors for one forward. Single-token (decode) rows and longer (prefill) rows attend in
     separate groups, so a decode row is never padded to a prompt's length. A vision-language model's
     rows also give their rotary positions ``rope`` (3, new tokens) and, where new tokens are image
-    tokens, ``images``: their indices in the row and their features (1 + levels, tokens, hidden)."""
+    tokens, ``images``: their indices in the row and their features (1 + levels, tokens, hidden). In a decode
+    step, ``shared`` gives each row a slot that holds its first keys too and how many (`DecodeKernel`)."""
     sizes = [len(ids) for ids in new_ids]
     lengths, past_t, slots_t = torch.tensor(sizes), torch.tensor(past), torch.tensor(slots)
     ends = past_t + lengths
@@ -178,7 +181,8 @@ def make_batch(cache: SlotCache, new_ids: list[list[int]], slots: list[int], pas
     groups = []
     if decode:  # no gathering at all
         mask = (torch.arange(int(ends.max())) < ends[:, None])[:, None, None]
-        groups.append(AttentionGroup(slots_t, _first_slot(slots), mask, None, None, ends))
+        groups.append(AttentionGroup(slots_t, _first_slot(slots), mask, None, None, ends,
+                                     None if shared is None else tuple(torch.tensor(c) for c in zip(*shared))))
     else:
         for rows in ((lengths == 1).nonzero()[:, 0], (lengths > 1).nonzero()[:, 0]):
             if len(rows):
@@ -237,7 +241,7 @@ def attend(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     kernel = kernel if kernel is not None and kernel.takes(q, cache.k[layer]) else None
     if kernel is not None and (group := batch.groups[0]).grid is None:  # a pure decode step
         return kernel(q, cache.k[layer], cache.v[layer], group.slots, group.lengths, group.mask.shape[-1],
-                      attn.scaling, (k, v)).reshape(tokens, -1)  # the kernel writes the new keys and values too
+                      attn.scaling, (k, v), group.shared).reshape(tokens, -1)  # it writes the new keys too
     cache.k[layer].view(-1, head_dim).index_copy_(0, batch.write_index, k.reshape(-1, head_dim))
     cache.v[layer].view(-1, head_dim).index_copy_(0, batch.write_index, v.reshape(-1, head_dim))
     out = torch.empty_like(q)
