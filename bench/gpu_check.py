@@ -158,7 +158,7 @@ def qwen(smoke: bool, dtype: torch.dtype, device: str):
     """Random-init Qwen3 of 0.6B's shape (a small one in the smoke run), built on ``device`` in ``dtype``."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from instar.train.model import attention_for
+    from instar.train.attention import attention_for
     attention_for("", "packed")  # registers instar's packed attention with transformers
     config = Qwen3Config(**(SMOKE_QWEN if smoke else QWEN3_06B), tie_word_embeddings=True, use_cache=False)
     torch.manual_seed(0)

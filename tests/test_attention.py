@@ -9,8 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from instar.contract import Sample
+from instar.train.attention import attention_for
 from instar.train.batch import collate
-from instar.train.model import attention_for, forward_logits, load_model, next_token_logprobs
+from instar.train.model import forward_logits, load_model, next_token_logprobs
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -75,7 +76,7 @@ def test_auto_picks_flex_only_on_gpu(tiny_model_dir):
 
 @pytest.mark.parametrize("lengths", [[40, 37, 29, 40], [90, 3, 5, 2]])  # one padded call / one call per sequence
 def test_packed_attention_equals_per_sequence_sdpa_with_gradients(lengths):
-    from instar.train.model import packed_attention
+    from instar.train.attention import packed_attention
 
     gen = torch.Generator().manual_seed(0)
     n, heads, kv_heads, d = sum(lengths), 4, 2, 16
@@ -100,7 +101,7 @@ def test_packed_attention_equals_per_sequence_sdpa_with_gradients(lengths):
 def test_packed_attention_in_bfloat16_attends_in_float32():
     """A bf16 model's packed attention on CPU (--fsdp.mixed_precision bfloat16) computes in float32 (CPU
     SDPA is slow in bf16): its output and gradients are the float32 ones, rounded to bf16."""
-    from instar.train.model import Segments, packed_attention
+    from instar.train.attention import Segments, packed_attention
 
     gen = torch.Generator().manual_seed(0)
     n, module = 12, torch.nn.Module().eval()

@@ -16,9 +16,10 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from instar.train.attention import attention_for
 from instar.train.launch import reserve_port, run_ranks
 from instar.train.load import ReadStats, Source, local_index, materialize, meta_model
-from instar.train.model import ValueModel, attention_for, decoder_layers, load_model
+from instar.train.model import ValueModel, decoder_layers, load_model
 from instar.train.parallel import init_distributed
 
 IDS = torch.tensor([[5, 77, 301, 9, 42, 260, 17, 3, 99, 400, 12, 8]])

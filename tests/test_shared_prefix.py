@@ -13,6 +13,7 @@ from layouts import TOL, full_state, rl_config
 from instar.config import ActorConfig, CriticConfig, FSDPConfig, TrainConfig
 from instar.contract import Sample
 from instar.runtime.batching import critic_loss, rl_loss
+from instar.train.attention import Segments, _shared_plan, packed_attention
 from instar.train.batch import (
     ROW_MULTIPLE,
     StepInputs,
@@ -23,7 +24,6 @@ from instar.train.batch import (
     tree_order,
 )
 from instar.train.launch import reserve_port, run_ranks
-from instar.train.model import Segments, _shared_plan, packed_attention
 from instar.train.worker import TrainWorker
 
 

@@ -100,11 +100,37 @@ int decode_attention(const float *q, const float *k_new, const float *v_new, flo
 """
 
 
+def native_library(source: str, name: str, what: str) -> ctypes.PyDLL | None:
+    """C ``source`` built for this machine and loaded (cached in `aot.cache_dir` by source, compiler and machine),
+    or None, with a message saying that ``what`` keeps its torch path, where it cannot be built. Compiled with
+    fast math, linked without it (see the module's doc). PyDLL: a call keeps the GIL, as a torch op does;
+    released, a thread (the engine's) would wait to get it back from another (the event loop's), up to its
+    5 ms switch interval."""
+    cc = os.environ.get("CC", "cc")
+    key = hashlib.sha256(repr((source, cc, platform.node(), platform.machine())).encode()).hexdigest()[:16]
+    path = cache_dir() / f"{key}-{name}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            src, obj, lib = (f"{tmp}/{name}.{ext}" for ext in ("c", "o", "so"))
+            Path(src).write_text(source)
+            try:
+                subprocess.run([cc, "-c", "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", src, "-o", obj],
+                               check=True, capture_output=True)
+                subprocess.run([cc, "-shared", "-fopenmp", obj, "-o", lib, "-lmvec", "-lm"], check=True,
+                               capture_output=True)
+            except (OSError, subprocess.CalledProcessError) as error:
+                detail = getattr(error, "stderr", b"") or str(error).encode()
+                print(f"instar: {what} stays on torch's ops: its kernel did not build "
+                      f"({detail.decode(errors='replace').strip()[:200]})")
+                return None
+            os.replace(lib, path)  # atomic: processes may build at once
+    return ctypes.PyDLL(str(path))
+
+
 class DecodeKernel:
-    def __init__(self, path: Path) -> None:
-        # PyDLL: the call keeps the GIL, as a torch op does; released, the engine thread would wait to get it
-        # back from the event loop thread (up to its 5 ms switch interval)
-        self._fn = ctypes.PyDLL(str(path)).decode_attention
+    def __init__(self, library: ctypes.PyDLL) -> None:
+        self._fn = library.decode_attention
         p, i = ctypes.c_void_p, ctypes.c_int64
         self._fn.argtypes = [p] * 11 + [i] * 7 + [ctypes.c_float, ctypes.c_int]
         self._fn.restype = ctypes.c_int
@@ -112,26 +138,8 @@ class DecodeKernel:
     @classmethod
     def load_or_build(cls) -> DecodeKernel | None:
         """The kernel built for this machine (cached), or None where it cannot be built."""
-        cc = os.environ.get("CC", "cc")
-        key = hashlib.sha256(repr((_SOURCE, cc, platform.node(), platform.machine())).encode()).hexdigest()[:16]
-        path = cache_dir() / f"{key}-decode.so"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                src, obj, lib = (f"{tmp}/decode.{ext}" for ext in ("c", "o", "so"))
-                Path(src).write_text(_SOURCE)
-                try:  # compiled with fast math, linked without it (see the module's doc)
-                    subprocess.run([cc, "-c", "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", src,
-                                    "-o", obj], check=True, capture_output=True)
-                    subprocess.run([cc, "-shared", "-fopenmp", obj, "-o", lib, "-lmvec", "-lm"], check=True,
-                                   capture_output=True)
-                except (OSError, subprocess.CalledProcessError) as error:
-                    detail = getattr(error, "stderr", b"") or str(error).encode()
-                    print(f"instar: the engine's decode attention stays on matmuls: its kernel did not build "
-                          f"({detail.decode(errors='replace').strip()[:200]})")
-                    return None
-                os.replace(lib, path)  # atomic: engines may build at once
-        return cls(path)
+        library = native_library(_SOURCE, "decode", "the engine's decode attention")
+        return None if library is None else cls(library)
 
     @staticmethod
     def takes(q: torch.Tensor, cache: torch.Tensor) -> bool:

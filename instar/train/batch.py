@@ -4,7 +4,7 @@ Samples are bin-packed (first-fit decreasing by length) into rows of at most ``m
 one row is one forward pass. In a plain row the sequences follow each other, kept apart by
 ``position_ids`` that restart at 0. A shared row (`row_layout`) is a prefix tree: the prompt that a
 group's samples share, and any longer common start, is in the row once, as a segment that the
-segments continuing it attend to (`instar.train.model.Segments`), so a group of 8 computes its prompt
+segments continuing it attend to (`instar.train.attention.Segments`), so a group of 8 computes its prompt
 once, not 8 times. The loss functions see the usual right-padded ``[B, T]`` tensors either way:
 ``MicroBatch.gather`` names the row position that predicts each token (index t holds the value for
 token t, predicted at the position of token t-1; index 0 and padding hold 0).
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from instar.contract import ImageInputs, Sample
-from instar.train.model import Segments
+from instar.train.attention import Segments
 
 MIN_SHARED = 8
 """Tokens a common start must have to be its own shared segment: a shorter one is cheaper to repeat

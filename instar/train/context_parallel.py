@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
-from instar.train.model import Segments, packed_attention
+from instar.train.attention import Segments, packed_attention
 
 ULYSSES = "instar_ulysses"
 

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from instar.config import ActorConfig, CriticConfig, FSDPConfig, TrainConfig
 from instar.contract import Sample
 from instar.train import checkpoint, weight_sync
+from instar.train.attention import PACKED
 from instar.train.batch import (
     ROW_MULTIPLE,
     LossInputs,
@@ -37,7 +38,7 @@ from instar.train.batch import (
 )
 from instar.train.context_parallel import ULYSSES, chunk_rows, split_row, sum_over_chunks
 from instar.train.load import materialize, meta_model
-from instar.train.model import PACKED, ValueModel, forward_logits, load_model, load_tokenizer, token_logprobs
+from instar.train.model import ValueModel, forward_logits, load_model, load_tokenizer, token_logprobs
 from instar.train.moe import freeze_routers, replay_routes
 from instar.train.optim import build_optimizer, build_scheduler
 from instar.train.parallel import (
