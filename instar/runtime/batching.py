@@ -17,7 +17,7 @@ from instar.algo import AdvantageInputs, compute_advantages, dynamic_filter, pol
 from instar.config import RLConfig
 from instar.contract import ContractError, Sample, Trajectory
 from instar.runtime.pool import Group
-from instar.train.batch import LossInputs, right_pad
+from instar.train.batch import LossInputs, padded, right_pad
 
 
 @dataclass
@@ -75,7 +75,7 @@ def to_rows(groups: list[Group]) -> Rows:
 def advantages(cfg: RLConfig, rows: Rows, old_logprobs: list[Tensor] | None, ref_logprobs: list[Tensor] | None,
                values: list[Tensor] | None, kl_coef: float) -> tuple[list[Tensor], list[Tensor] | None, dict]:
     """Per-sample advantages (and gae returns), cut back to each sample's length."""
-    mask = right_pad([torch.tensor(s.action_mask, dtype=torch.bool) for s in rows.samples])
+    mask = padded([s.action_mask for s in rows.samples], max(len(s.action_mask) for s in rows.samples), torch.bool)
     x = AdvantageInputs(action_mask=mask, rewards=rows.rewards, group_index=rows.group_index,
                         traj_index=rows.traj_index, old_logprobs=right_pad(old_logprobs) if old_logprobs else None,
                         ref_logprobs=right_pad(ref_logprobs) if ref_logprobs else None,
@@ -124,8 +124,10 @@ def forward_only(cfg: RLConfig, samples: list[Sample], advantages: list[Tensor],
     them forward only (their metrics and old logprobs), which leaves the update as it was."""
     if cfg.actor.entropy_coef != 0 or (cfg.algo.kl.use_in == "loss" and kl_coef > 0):
         return []
-    return [i for i, (s, a) in enumerate(zip(samples, advantages))
-            if not a[torch.tensor(s.action_mask, dtype=torch.bool)].any()]
+    if not samples:
+        return []
+    mask = padded([s.action_mask for s in samples], max(len(s.action_mask) for s in samples), torch.bool)
+    return ((right_pad(advantages, mask.shape[1]) == 0) | ~mask).all(1).nonzero()[:, 0].tolist()
 
 
 def rl_loss(cfg: RLConfig, kl_coef: float, logprobs: Tensor, entropy: Tensor, x: LossInputs) -> tuple[Tensor, dict]:

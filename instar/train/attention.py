@@ -88,7 +88,7 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                    .view(len(lengths), width, t.shape[1], t.shape[3]) for t in (query, key, value))
         if kernel:
             own = torch.tensor(lengths)
-            out = attention_kernel.SegmentAttention.apply(q, k, v, own * 0, own, _scale(query, scaling))
+            out = attention_kernel.SegmentAttention.apply(q, k, v, torch.zeros_like(own), own, _scale(query, scaling))
         else:
             out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), **kw).transpose(1, 2)
         return _FromPadded.apply(out.reshape(rows, -1), slots).view(1, query.shape[2], query.shape[1], -1), None
@@ -152,7 +152,7 @@ def _shared_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                                                 attn_mask=mask.to(query.device), **kw)
                  for a, z, keys, mask in plan]
         return torch.cat(parts, dim=2).transpose(1, 2)
-    q_index, k_index, mask, real, context, own = (t.to(query.device) for t in plan)
+    q_index, k_index, mask, real, context, own = (t if t is None else t.to(query.device) for t in plan)
     q, k, v = (_gather_tokens(t, i) for t, i in ((query, q_index), (key, k_index), (value, k_index)))
     if kernel:
         out = attention_kernel.SegmentAttention.apply(*(t.transpose(1, 2) for t in (q, k, v)), context, own,
@@ -172,11 +172,11 @@ def _gather_tokens(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=4)  # every layer of a forward (and its recompute) asks for the same row
 def _shared_plan(segments: Segments, padded: bool = False,
-                 ) -> tuple[torch.Tensor, ...] | list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+                 ) -> tuple[torch.Tensor | None, ...] | list[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """For `_shared_attention`: ``[S, Tq]`` query positions, ``[S, Tk]`` key positions (context first), the
-    ``[S, 1, Tq, Tk]`` mask, where the row's queries are in the flattened ``[S * Tq]`` (padding points at
-    position 0; its outputs are dropped), and each segment's context and own lengths. Or, unless ``padded``,
-    per segment, its bounds, key positions and ``[Tq, Tk]`` mask."""
+    ``[S, 1, Tq, Tk]`` mask (None when ``padded``: the kernel needs none), where the row's queries are in the
+    flattened ``[S * Tq]`` (padding points at position 0; its outputs are dropped), and each segment's context
+    and own lengths. Or, unless ``padded``, per segment, its bounds, key positions and ``[Tq, Tk]`` mask."""
     b = segments.bounds
     own = [list(range(b[k], b[k + 1])) for k in range(len(b) - 1)]
     seen = [[p for c in ctx for p in own[c]] for ctx in segments.context]
@@ -188,12 +188,13 @@ def _shared_plan(segments: Segments, padded: bool = False,
                 for s, o in zip(seen, own)]
     q_index = torch.zeros(len(own), tq, dtype=torch.long)
     k_index = torch.zeros(len(own), tk, dtype=torch.long)
-    mask = torch.zeros(len(own), 1, tq, tk, dtype=torch.bool)
+    mask = None if padded else torch.zeros(len(own), 1, tq, tk, dtype=torch.bool)
     for k, (s, o) in enumerate(zip(seen, own)):
         q_index[k, :len(o)] = torch.tensor(o)
         k_index[k, :len(s) + len(o)] = torch.tensor(s + o)
-        mask[k, 0, :, :len(s)] = True
-        mask[k, 0, :, len(s):] = causal[:, :tk - len(s)]  # padded queries see what the real ones before them see
+        if mask is not None:
+            mask[k, 0, :, :len(s)] = True
+            mask[k, 0, :, len(s):] = causal[:, :tk - len(s)]  # padded queries see what the real ones before see
     lengths = torch.tensor([len(o) for o in own])
     valid = torch.arange(tq)[None] < lengths[:, None]
     return q_index, k_index, mask, valid.reshape(-1).nonzero()[:, 0], torch.tensor([len(s) for s in seen]), lengths

@@ -12,6 +12,7 @@ token t, predicted at the position of token t-1; index 0 and padding hold 0).
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, fields
 
 import torch
@@ -290,16 +291,15 @@ def collate(samples: list[Sample], indices: list[int], step: StepInputs | None =
         keys = [_with_routes(s) for s in rows] if recorded else [identity(s) for s in rows]
     layout = row_layout([s.token_ids for s in rows], share, keys=keys)
     # the position predicting token t is that of token t-1 (t >= 1); padding points at position 0
-    gather = right_pad([torch.tensor([0] + p[:-1]) for p in layout.place], T)
-    mask = right_pad([torch.tensor(s.action_mask, dtype=torch.bool) for s in rows], T)
+    gather = padded([[0] + p[:-1] for p in layout.place], T)
+    mask = padded([s.action_mask for s in rows], T, torch.bool)
     given = {f.name: right_pad([values[i] for i in names], T).to(device)
              for f in fields(StepInputs) if step is not None and (values := getattr(step, f.name)) is not None}
     inputs = LossInputs(
-        token_ids=right_pad([torch.tensor(s.token_ids) for s in rows], T).to(device),
+        token_ids=padded([s.token_ids for s in rows], T).to(device),
         action_mask=mask.to(device),
-        rollout_logprobs=right_pad([torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in rows],
-                                   T).to(device),
-        versions=right_pad([torch.tensor(s.versions) for s in rows], T).to(device),
+        rollout_logprobs=padded([s.rollout_logprobs for s in rows], T, torch.float32).to(device),
+        versions=padded([s.versions for s in rows], T).to(device),
         lengths=lengths_t.to(device), **given)
     # a shared token's routes are those of the sequence it was taken from (with replay all sharers' agree)
     routes = torch.cat([rows[b].routed_experts[a:z] for b, a, z in layout.sources]).to(device) if recorded else None
@@ -309,8 +309,8 @@ def collate(samples: list[Sample], indices: list[int], step: StepInputs | None =
         tokens, positions = tokens + [0] * extra, positions + list(range(extra))
         segments = segments.padded(len(tokens))
     return MicroBatch(
-        input_ids=torch.tensor(tokens)[None].to(device),
-        position_ids=torch.tensor(positions)[None].to(device),
+        input_ids=padded([tokens], len(tokens)).to(device),
+        position_ids=padded([positions], len(positions)).to(device),
         gather=gather.to(device),
         valid=((t[None] >= 1) & (t[None] < lengths_t[:, None])).to(device),
         inputs=inputs,
@@ -349,6 +349,21 @@ def _with_routes(s: Sample) -> list[tuple[int, int]]:
     routes = s.routed_experts.reshape(len(s.token_ids), -1).long()
     weights = torch.randint(1, 2**31, (routes.shape[1],), generator=torch.Generator().manual_seed(0))
     return list(zip(s.token_ids, (routes * weights).sum(1).tolist()))
+
+
+_ARRAY_CODES = {torch.int64: "q", torch.float32: "f", torch.bool: "b"}
+
+
+def padded(seqs: list[list], length: int, dtype: torch.dtype = torch.int64) -> Tensor:
+    """Python lists (ints, floats, or 0/1 for bool) as one ``[B, length]`` tensor, zero-filled on the right,
+    built through one array: torch.tensor converts a list element by element as Python objects, and a
+    tensor per sample adds a call each (64 samples' fields: ~4 ms a micro-batch, against ~1 here)."""
+    code = _ARRAY_CODES[dtype]
+    flat = array.array(code, bytes(array.array(code).itemsize * len(seqs) * length))
+    for b, s in enumerate(seqs):
+        flat[b * length: b * length + len(s)] = array.array(code, s)
+    return torch.frombuffer(flat, dtype=dtype).view(len(seqs), length) if flat else torch.zeros(len(seqs), length,
+                                                                                                dtype=dtype)
 
 
 def right_pad(seqs: list[Tensor], length: int | None = None) -> Tensor:
