@@ -43,9 +43,23 @@ static void transpose(const float *base, int64_t stride, int64_t n, int64_t nk16
     }
 }
 
-/* S[r][j] = sum_c A[r][c] Bt[c][j] for R rows of A (d wide) and the first nb * 16 columns of Bt */
+/* S[r][j] = sum_c A[r][c] Bt[c][j] for R rows of A (d wide) and the first nb * 16 columns of Bt; two key blocks
+   at a time where there are two: eight independent sums keep both FMA units busy (four leave half their slots) */
 static void rows_by_keys(const float *A, const float *Bt, int64_t nk16, int64_t nb, int64_t d, float *S) {
-    for (int64_t jb = 0; jb < nb; jb++) {
+    int64_t jb = 0;
+    for (; jb + 1 < nb; jb += 2) {
+        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+        for (int64_t c = 0; c < d; c++) {
+            const v16 x = ld(Bt + c * nk16 + jb * 16), y = ld(Bt + c * nk16 + jb * 16 + 16);
+            const float r0 = A[c], r1 = A[d + c], r2 = A[2 * d + c], r3 = A[3 * d + c];
+            a0 += r0 * x; a1 += r1 * x; a2 += r2 * x; a3 += r3 * x;
+            b0 += r0 * y; b1 += r1 * y; b2 += r2 * y; b3 += r3 * y;
+        }
+        st(S + jb * 16, a0); st(S + nk16 + jb * 16, a1); st(S + 2 * nk16 + jb * 16, a2); st(S + 3 * nk16 + jb * 16, a3);
+        st(S + jb * 16 + 16, b0); st(S + nk16 + jb * 16 + 16, b1); st(S + 2 * nk16 + jb * 16 + 16, b2);
+        st(S + 3 * nk16 + jb * 16 + 16, b3);
+    }
+    if (jb < nb) {
         v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         for (int64_t c = 0; c < d; c++) {
             const v16 b = ld(Bt + c * nk16 + jb * 16);
@@ -55,10 +69,23 @@ static void rows_by_keys(const float *A, const float *Bt, int64_t nk16, int64_t 
     }
 }
 
-/* out[r] = sum_{j < n} P[r][j] B[j] for R rows of P; B's rows (d wide) at base + j * stride */
+/* out[r] = sum_{j < n} P[r][j] B[j] for R rows of P; B's rows (d wide) at base + j * stride; 32 columns at a
+   time where there are 32 (eight independent sums, as in rows_by_keys) */
 static void probs_by_rows(const float *P, int64_t nk16, const float *B, int64_t stride, int64_t n, int64_t d,
                           float *out) {
-    for (int64_t w = 0; w < d; w += 16) {
+    int64_t w = 0;
+    for (; w + 16 < d; w += 32) {
+        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+        for (int64_t j = 0; j < n; j++) {
+            const v16 x = ld(B + j * stride + w), y = ld(B + j * stride + w + 16);
+            const float p0 = P[j], p1 = P[nk16 + j], p2 = P[2 * nk16 + j], p3 = P[3 * nk16 + j];
+            a0 += p0 * x; a1 += p1 * x; a2 += p2 * x; a3 += p3 * x;
+            b0 += p0 * y; b1 += p1 * y; b2 += p2 * y; b3 += p3 * y;
+        }
+        st(out + w, a0); st(out + d + w, a1); st(out + 2 * d + w, a2); st(out + 3 * d + w, a3);
+        st(out + w + 16, b0); st(out + d + w + 16, b1); st(out + 2 * d + w + 16, b2); st(out + 3 * d + w + 16, b3);
+    }
+    if (w < d) {
         v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         for (int64_t j = 0; j < n; j++) {
             const v16 b = ld(B + j * stride + w);
