@@ -48,6 +48,11 @@ def test_the_compiled_halves_equal_the_eager_layer(dense, tokens):  # noqa: F811
         mid = h + km._linear(attn.o_proj, o)
         want = mid + km._mlp(layer.mlp, km._norm(layer.post_attention_layernorm, mid))
         assert (out - want).abs().max() < 1e-5
+        norm, head = km.decoder(dense).norm, dense.lm_head
+        logits = aot.logits(h, norm.weight, head.weight)
+        want = km._linear(head, km._norm(norm, h))
+        assert logits.shape == want.shape == (tokens, dense.config.vocab_size)
+        assert (logits - want).abs().max() < 1e-5
 
 
 def test_a_build_is_cached_by_shape(dense, tiny_heads4_dir):  # noqa: F811
@@ -57,8 +62,8 @@ def test_a_build_is_cached_by_shape(dense, tiny_heads4_dir):  # noqa: F811
     km.aot_layers(dense)  # loaded, not rebuilt
     assert [p.stat().st_mtime_ns for p in sorted(cache_dir().glob("*.pt2"))] == stamps
     other = AutoModelForCausalLM.from_pretrained(tiny_heads4_dir).eval()
-    km.aot_layers(other)  # another shape: two more files
-    assert len(list(cache_dir().glob("*.pt2"))) == len(builds) + 2
+    km.aot_layers(other)  # another shape: three more files (before and after attention, the head)
+    assert len(list(cache_dir().glob("*.pt2"))) == len(builds) + 3
     assert all(Path(p).parent == cache_dir() for p in builds) and os.environ["INSTAR_CACHE"] in str(cache_dir())
 
 

@@ -54,8 +54,9 @@ def test_sync_mode_two_engines_two_ranks(tmp_path, tiny_model_dir, prompts, monk
     run(cfg)
     built = sorted(p.suffix if p.suffix == ".pt2" else p.name.split("-", 1)[1]
                    for p in (tmp_path / "cache/aot").iterdir())
-    # one build each of the engine's two halves, its decode kernel and the trainer's attention kernel, no leftovers
-    assert built == [".pt2", ".pt2", "attention.so", "decode.so"]
+    # one build each of the engine's two halves and head, its decode kernel and the trainer's attention kernel, no
+    # leftovers
+    assert built == [".pt2", ".pt2", ".pt2", "attention.so", "decode.so"]
     metrics = rows(tmp_path / "run/metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert abs(metrics[0]["actor/vllm_kl"]) < 1e-3  # on-policy: engine and trainer agree

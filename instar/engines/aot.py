@@ -4,12 +4,12 @@ Why: at the embedded engine's sizes a decode step is dozens of small eager ops p
 the dispatcher and a pass over memory. Exported once per model shape and compiled by AOTInductor, the
 part of a layer before attention (norm, q/k/v projections, q/k norms, RoPE) and the part after it
 (output projection, residual, norm, SwiGLU MLP, residual) each become one call of fused C++ loops
-around the same matmuls. The token count is a dynamic dimension, so one build serves prefill and
-decode steps of any size; the weights are inputs, so weight updates and a drain's second model need
-no rebuild. A build takes ~20 s and a C++ compiler; it is cached on disk by shape, dtype, thread
-count, machine and torch version. Attention and the cache stay outside (`kv_model.attend`; decode rows
-through `decode_kernel`). The arithmetic is the eager layer's up to float rounding (fused loops sum
-in another order): not bit-identical to HF's forward.
+around the same matmuls, as do the final norm and the LM head. The token count is a dynamic dimension,
+so one build serves prefill and decode steps of any size; the weights are inputs, so weight updates and
+a drain's second model need no rebuild. A build takes ~20 s and a C++ compiler; it is cached on disk by
+shape, dtype, thread count, machine and torch version. Attention and the cache stay outside
+(`kv_model.attend`; decode rows through `decode_kernel`). The arithmetic is the eager layer's up to float
+rounding (fused loops sum in another order): not bit-identical to HF's forward.
 """
 
 from __future__ import annotations
@@ -64,6 +64,17 @@ class _After(nn.Module):
         return h + F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)
 
 
+class _Head(nn.Module):
+    """The final norm and the LM head: logits of each row's last hidden state."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, h: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.rms_norm(h, h.shape[-1:], norm, self.eps), lm_head)
+
+
 def compilable(layer: nn.Module) -> bool:
     """A dense Qwen3 layer without projection biases and with the SiLU MLP: what `_Before` / `_After` compute."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -86,13 +97,13 @@ def _after_weights(layer: nn.Module) -> tuple[torch.Tensor, ...]:
 
 
 class AotLayers:
-    """The two compiled halves of every dense layer of a model (all share one build). They are called through
-    their loaders' ``boxed_run`` (a flat list of tensors in, one out): the packages' own ``__call__`` parses
-    the call's tree specs from JSON every time: ~25 us a call, eight calls a decode step, a tenth of one at the
-    demo's size."""
+    """The two compiled halves of every dense layer of a model (all share one build) and its head. They are called
+    through their loaders' ``boxed_run`` (a flat list of tensors in, one out): the packages' own ``__call__``
+    parses the call's tree specs from JSON every time: ~25 us a call, nine calls a decode step, a tenth of one at
+    the demo's size."""
 
-    def __init__(self, before: Any, after: Any) -> None:
-        self.before, self.after = before.loader, after.loader
+    def __init__(self, before: Any, after: Any, head: Any) -> None:
+        self.before, self.after, self.final = before.loader, after.loader, head.loader
         self.decode: Any = None  # the decode attention kernel built with them (`decode_kernel`), if any
         # each layer's weights, looked up once: a module's attribute lookups cost a few us each, ~25 a step.
         # Weight updates copy into the same tensors; a drained model is other layers (other keys).
@@ -104,15 +115,17 @@ class AotLayers:
         return found
 
     @classmethod
-    def load_or_build(cls, layer: nn.Module, eps: float) -> AotLayers:
-        """Compile (or load the cached build of) the halves for layers shaped like ``layer``."""
+    def load_or_build(cls, layer: nn.Module, eps: float, head: tuple[torch.Tensor, torch.Tensor]) -> AotLayers:
+        """Compile (or load the cached build of) the halves for layers shaped like ``layer``, and the final norm
+        and LM head for ``head``'s weights (norm, lm_head)."""
         attn = layer.self_attn
         d, (width, hidden) = attn.head_dim, attn.q_proj.weight.shape
         heads, kv_heads = width // d, attn.k_proj.weight.shape[0] // d
         dtype = attn.q_proj.weight.dtype
         # Built for this machine's CPU (-march=native) and thread count (baked into the kernels' loops).
         key = hashlib.sha256(repr((torch.__version__, platform.node(), torch.get_num_threads(), heads, kv_heads, d,
-                                   hidden, layer.mlp.gate_proj.weight.shape[0], eps, str(dtype))).encode())
+                                   hidden, layer.mlp.gate_proj.weight.shape[0], eps, str(dtype),
+                                   head[1].shape[0])).encode())
         key = key.hexdigest()[:16]
         tokens = torch.export.Dim("tokens", min=2, max=1 << 20)  # exporting specialises sizes 0 and 1
         rows = lambda *widths: [torch.zeros(4, *w, dtype=dtype) for w in widths]  # noqa: E731
@@ -121,7 +134,8 @@ class AotLayers:
                             (*rows((hidden,)), *_before_weights(layer), *rows((1, d), (1, d))),
                             [act, *[weight] * 6, act, act]),
                  "after": (_After(eps), (*rows((hidden,), (width,)), *_after_weights(layer)),
-                           [act, act, *[weight] * 5])}
+                           [act, act, *[weight] * 5]),
+                 "head": (_Head(eps), (*rows((hidden,)), *head), [act, weight, weight])}
         loaded = []
         for name, (module, example, dynamic) in parts.items():
             path = cache_dir() / f"{key}-{name}.pt2"
@@ -146,6 +160,13 @@ class AotLayers:
             return tuple(t[:1] for t in self.before_attention(layer, _twice(h), _twice(cos), _twice(sin)))
         return tuple(self.before.boxed_run([h.contiguous(), *self.weights(layer)[0], cos.contiguous(),
                                             sin.contiguous()]))
+
+    def logits(self, h: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        """The final norm and LM head of the rows ``h`` (B, hidden): (B, vocab). One call instead of the norm's
+        half-dozen eager ops and the product: at the demo's sizes ~200 -> ~100 us a decode step."""
+        if h.shape[0] == 1:
+            return self.logits(_twice(h), norm, lm_head)[:1]
+        return self.final.boxed_run([h.contiguous(), norm, lm_head])[0]
 
     def after_attention(self, layer: nn.Module, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """The layer's output from its input ``h`` and attention's output ``o`` (N, heads * d)."""

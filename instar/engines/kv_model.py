@@ -61,7 +61,10 @@ def aot_layers(model: nn.Module) -> AotLayers | None:
     if decoder(model).embed_tokens.weight.dtype != torch.float32 or not all(map(compilable, dense)):
         raise ValueError("--engine.compile aot runs float32 dense layers without projection biases and with a "
                          "SiLU MLP; use --engine.compile none for this model")
-    layers = AotLayers.load_or_build(dense[0], text_config(model).rms_norm_eps)
+    if getattr(model.lm_head, "bias", None) is not None:
+        raise ValueError("--engine.compile aot runs an LM head without a bias; use --engine.compile none here")
+    layers = AotLayers.load_or_build(dense[0], text_config(model).rms_norm_eps,
+                                     (decoder(model).norm.weight, model.lm_head.weight))
     layers.decode = DecodeKernel.load_or_build()
     return layers
 
@@ -354,7 +357,10 @@ def forward(model: nn.Module, cache: SlotCache, batch: Batch,
                 h = h + _mlp(layer.mlp, x)
         if batch.visual is not None and i + 1 < len(batch.features):  # deepstack: vision features added early
             h[batch.visual] += batch.features[i + 1].to(h.dtype)
-    logits = _linear(model.lm_head, _norm(inner.norm, h if batch.last is None else h[batch.last]))
+    h = h if batch.last is None else h[batch.last]
+    if aot is not None:
+        return aot.logits(h, inner.norm.weight, model.lm_head.weight), torch.stack(routed, dim=1) if routed else None
+    logits = _linear(model.lm_head, _norm(inner.norm, h))
     return logits, torch.stack(routed, dim=1) if routed else None
 
 
