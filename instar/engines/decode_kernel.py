@@ -97,6 +97,28 @@ int decode_attention(const float *q, const float *k_new, const float *v_new, flo
     }
     return 0;
 }
+
+/* `sampling.sample` for rows at temperature 1 with no filter: per row of logits (V), the log-softmax (max, then
+   the log of the sum of exp(x - max)), its probabilities (into p, scratch of V), and the first token at which
+   their running sum exceeds u times their total; where rounding leaves the target past the sum, the last token
+   with probability, as sample's guard does. */
+void sample_rows(const float *logits, const float *u, int64_t rows, int64_t V, float *p, int64_t *tokens,
+                 float *logprobs) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = logits + r * V;
+        float m = -INFINITY, s = 0.f, total = 0.f, c = 0.f;
+        for (int64_t j = 0; j < V; j++) m = fmaxf(m, x[j]);
+        for (int64_t j = 0; j < V; j++) s += expf(x[j] - m);
+        const float log_s = logf(s);
+        for (int64_t j = 0; j < V; j++) { p[j] = expf((x[j] - m) - log_s); total += p[j]; }
+        const float target = u[r] * total;
+        int64_t token = 0;
+        for (; token < V; token++) if ((c += p[token]) > target) break;
+        if (token == V) for (token = V - 1; token > 0 && p[token] == 0.f; token--) {}
+        tokens[r] = token;
+        logprobs[r] = (x[token] - m) - log_s;
+    }
+}
 """
 
 
@@ -134,12 +156,26 @@ class DecodeKernel:
         p, i = ctypes.c_void_p, ctypes.c_int64
         self._fn.argtypes = [p] * 11 + [i] * 7 + [ctypes.c_float, ctypes.c_int]
         self._fn.restype = ctypes.c_int
+        self._sample = library.sample_rows
+        self._sample.argtypes = [p, p, i, i, p, p, p]
+        self._sample.restype = None
 
     @classmethod
     def load_or_build(cls) -> DecodeKernel | None:
         """The kernel built for this machine (cached), or None where it cannot be built."""
         library = native_library(_SOURCE, "decode", "the engine's decode attention")
         return None if library is None else cls(library)
+
+    def sample(self, logits: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens (rows,) and their logprobs from float32 ``logits`` (rows, V) at temperature 1, unfiltered, with the
+        uniform draws ``u`` (rows,): what `sampling.sample` computes from the same draws (up to float rounding of
+        the log-softmax and running sums: a draw within a rounding error of a boundary may land on its neighbour)."""
+        logits, u = logits.contiguous(), u.contiguous()
+        rows, vocab = logits.shape
+        tokens, logprobs, scratch = torch.empty(rows, dtype=torch.int64), torch.empty(rows), torch.empty(vocab)
+        self._sample(logits.data_ptr(), u.data_ptr(), rows, vocab, scratch.data_ptr(), tokens.data_ptr(),
+                     logprobs.data_ptr())
+        return tokens, logprobs
 
     @staticmethod
     def takes(q: torch.Tensor, cache: torch.Tensor) -> bool:

@@ -336,7 +336,7 @@ class EmbeddedEngine:
         requests = [group[row] for row in live]
         tokens, logprobs = sample(logits[live] if len(live) < len(group) else logits,
                                   [r.params for r in requests], [r.generator for r in requests],
-                                  self.cfg.logprobs_mode)
+                                  self.cfg.logprobs_mode, self._aot and self._aot.decode)
         self.stats["sampled_tokens"] += len(requests)
         for request, token, logprob in zip(requests, tokens.tolist(), logprobs.tolist()):
             request.ids.append(token)
