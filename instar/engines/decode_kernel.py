@@ -11,6 +11,10 @@ Built once per machine by the C compiler that `--engine.compile aot` already nee
 builds. It is compiled with -ffast-math (a vectorised exp, reassociated sums) but linked without it, so that
 loading it does not set the process's floats to flush denormals to zero. Float32, head widths 32, 64 and 128;
 anything else (or no compiler) keeps the matmuls.
+
+The same library samples a step's rows at temperature 1 with no filter (`DecodeKernel.sample`, for
+`sampling.sample`): log-softmax, probabilities and the inverse-CDF search in one call, where torch's path is
+~8 small ops, each slow as the first of its kind in a step (~235 -> ~110 us a step at the demo's size).
 """
 
 from __future__ import annotations
