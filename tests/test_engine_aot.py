@@ -130,8 +130,10 @@ def test_a_group_reads_its_shared_prompt_from_one_slot_exactly(dense, monkeypatc
         params = [SamplingParams(temperature=1.0, max_tokens=10, seed=i) for i in range(len(prompts))]
         first = await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
         turns = [asyncio.ensure_future(engine.generate(p, s)) for p, s in zip(prompts, params)]
-        while engine.stats["sampled_tokens"] < 8 * 10 + 8 * 3:  # three tokens into the second batch
-            await asyncio.sleep(0.001)
+        # three tokens into the second batch; sleep(0) takes a turn after every engine step (the scheduler yields the
+        # same way), so both runs pause at the same step: a timed poll let a fast engine run on a varying number
+        while engine.stats["sampled_tokens"] < 8 * 10 + 8 * 3:
+            await asyncio.sleep(0)
         await engine.pause("keep")
         await engine.update_weights(((n, t.detach()) for n, t in new_model.named_parameters()), 1)
         await engine.resume()
