@@ -78,15 +78,18 @@ def test_a_step_that_decodes_and_prefills_equals_the_eager_engine(tiny_model_dir
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-5)
 
 
-def test_rows_read_a_shared_prompt_from_one_slot(kernel):
+@pytest.mark.parametrize("prompt", [12, 17])
+def test_rows_read_a_shared_prompt_from_one_slot(kernel, prompt):
     """A group's rows hold copies of one prompt's keys; read from one row's slot they give the same output
-    to the bit, and the reads do come from there (a source holding other keys changes the output)."""
+    to the bit, and the reads do come from there (a source holding other keys changes the output). The kernel
+    scores keys 16 at a time and sums values in two chains (even and odd keys): a prompt of 17 keys splits
+    both unlike the row's own keys."""
     g = torch.Generator().manual_seed(5)
     k_cache, v_cache = (torch.randn(6, 2, 30, 64, generator=g) for _ in range(2))
     for cache in (k_cache, v_cache):
-        cache[[1, 3, 4], :, :12] = cache[2, :, :12]  # rows in slots 2, 1, 3, 4 share a 12-key prompt
-    slots, lengths = torch.tensor([2, 1, 3, 4, 0]), torch.tensor([15, 30, 13, 20, 9])
-    sources, shared = torch.tensor([2, 2, 2, 2, 0]), torch.tensor([12, 12, 12, 12, 0])
+        cache[[1, 3, 4], :, :prompt] = cache[2, :, :prompt]  # rows in slots 2, 1, 3, 4 share the prompt's keys
+    slots, lengths = torch.tensor([2, 1, 3, 4, 0]), torch.tensor([prompt + 3, 30, prompt + 1, 20, 9])
+    sources, shared = torch.tensor([2, 2, 2, 2, 0]), torch.tensor([prompt] * 4 + [0])
     q = torch.randn(5, 4, 64, generator=g)
     want = kernel(q, k_cache, v_cache, slots, lengths, 30, 0.125)
     assert torch.equal(kernel(q, k_cache, v_cache, slots, lengths, 30, 0.125, shared=(sources, shared)), want)

@@ -2,10 +2,13 @@
 
 Why: in a decode step each row's query heads attend over that row's cached keys, a few query heads per
 key/value head. PyTorch runs it as two batched matmuls of 2 x span products (`kv_model._decode_attention`),
-where the BLAS's cost per tiny matrix dominates: at the demo's shapes (64 rows, 4 query heads over 2
-key/value heads of 32, ~60 cached keys) 145 us a layer, against 70 here, with decode attention about a quarter
-of an engine step. The kernel reads each row's keys and values where they lie in the cache (no gather, no
-mask: it stops at the row's length), one row and key/value head per task, over the torch threads.
+where the BLAS's cost per tiny matrix dominates. The kernel reads each row's keys and values where they lie
+in the cache (no gather, no mask: it stops at the row's length), one row and key/value head per task, over the
+torch threads. A row's keys and values come from beyond the core's L2 cache (a step's are several MB), and
+summing one key's product across its vector lanes takes ~30 instructions, so scores are computed 16 keys at
+a time and summed across lanes together (`sum16`); the values' weighted sums keep two chains. At the
+`bench/rl_step.py` shapes (64 rows, 4 query heads over 2 key/value heads of 32, 48-83 cached keys, 35 of
+them a shared prompt) ~180 -> ~110 us a layer, decode attention about a quarter of an engine step before.
 
 Built once per machine by the C compiler that `--engine.compile aot` already needs, and cached beside its
 builds. It is compiled with -ffast-math (a vectorised exp, reassociated sums) but linked without it, so that
@@ -38,32 +41,100 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+/* GCC vectorises the exp loop 8 lanes wide on AVX-512 machines unless told that 16 are welcome */
+#pragma GCC target("prefer-vector-width=512")
+#endif
+
 typedef float v16 __attribute__((vector_size(64)));
+
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int32_t i16 __attribute__((vector_size(64)));
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (i16){__VA_ARGS__})
+#endif
+
+/* The sums of 16 vectors' lanes as one vector (lane i: the sum of p[i]), in 15 steps that each halve the
+   partial sums of twice as many vectors (two lane shuffles and an add): summed one vector at a time, each
+   would take ~30 scalar instructions. */
+static inline v16 sum16(v16 *p) {
+    v16 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = SHUF(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + SHUF(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        b[i] = SHUF(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + SHUF(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        c[i] = SHUF(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + SHUF(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SHUF(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + SHUF(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* Scores of the query q (D wide, scaled) against keys from..to-1 (rows of K, D apart) into S, 16 keys a block
+   (`sum16`), and the values' sums weighted by S into two sets of sums (even, odd keys: each addition waits on
+   the one two keys back, not one). */
+#define KEYS(D)                                                                                              \
+static void scores_##D(const v16 *q, const float *K, int64_t from, int64_t to, float *restrict S) {          \
+    enum { W = D / 16 };                                                                                     \
+    v16 part[16], x;                                                                                         \
+    int64_t j = from;                                                                                        \
+    for (; j + 16 <= to; j += 16) {                                                                          \
+        for (int i = 0; i < 16; i++) {                                                                       \
+            memcpy(&x, K + (j + i) * D, 64); part[i] = q[0] * x;                                             \
+            for (int w = 1; w < W; w++) { memcpy(&x, K + (j + i) * D + 16 * w, 64); part[i] += q[w] * x; }   \
+        }                                                                                                    \
+        v16 s = sum16(part); memcpy(S + j, &s, 64);                                                          \
+    }                                                                                                        \
+    if (j < to) {                                                                                            \
+        for (int i = 0; i < 16; i++) {                                                                       \
+            part[i] = q[0] * 0.f;                                                                            \
+            if (j + i < to)                                                                                  \
+                for (int w = 0; w < W; w++) { memcpy(&x, K + (j + i) * D + 16 * w, 64); part[i] += q[w] * x; } \
+        }                                                                                                    \
+        v16 s = sum16(part); for (int i = 0; i < to - j; i++) S[j + i] = s[i];                               \
+    }                                                                                                        \
+}                                                                                                            \
+static void values_##D(const float *S, const float *V, int64_t from, int64_t to, v16 *even_sums, v16 *odd_sums) { \
+    enum { W = D / 16 };                                                                                     \
+    v16 x, y, even[W], odd[W];                                                                               \
+    for (int w = 0; w < W; w++) { even[w] = even_sums[w]; odd[w] = odd_sums[w]; }                            \
+    int64_t j = from;                                                                                        \
+    if (j < to && j % 2)  /* key j goes to the sums of its parity wherever a range starts: the same sums */  \
+        for (int w = 0; w < W; w++) { memcpy(&x, V + j * D + 16 * w, 64); odd[w] += S[j] * x; }              \
+    for (j += j % 2; j + 1 < to; j += 2)                                                                     \
+        for (int w = 0; w < W; w++) {                                                                        \
+            memcpy(&x, V + j * D + 16 * w, 64); memcpy(&y, V + (j + 1) * D + 16 * w, 64);                    \
+            even[w] += S[j] * x; odd[w] += S[j + 1] * y;                                                     \
+        }                                                                                                    \
+    if (j < to)                                                                                              \
+        for (int w = 0; w < W; w++) { memcpy(&x, V + j * D + 16 * w, 64); even[w] += S[j] * x; }             \
+    for (int w = 0; w < W; w++) { even_sums[w] = even[w]; odd_sums[w] = odd[w]; }                            \
+}
 
 /* One row and key/value head: its query heads (`group` of them, D wide) over its n cached keys, the first p of
    them read from another slot that holds the same ones (Ks, Vs: a group's shared prompt, read there by every
    row of the group in turn, so that it comes from memory once and from the core's cache after). */
 #define HEAD(D)                                                                                              \
+KEYS(D)                                                                                                      \
 static void head_##D(const float *Q, const float *Ks, const float *Vs, int64_t p, const float *K, const float *V, \
-                     float *restrict S, float *restrict O, int64_t n, int64_t group, float scale) {         \
+                     float *restrict S, float *restrict O, int64_t n, int64_t group, float scale) {          \
     enum { W = D / 16 };                                                                                     \
     for (int64_t g = 0; g < group; g++) {                                                                    \
-        v16 q[W], acc[W], x; float m = -3.0e38f, sum = 0.f;                                                  \
-        for (int w = 0; w < W; w++) { memcpy(&q[w], Q + g * D + 16 * w, 64); q[w] *= scale; acc[w] = q[w] * 0.f; } \
-        for (int64_t j = 0; j < n; j++) {                                                                    \
-            const float *k = (j < p ? Ks : K) + j * D;                                                       \
-            v16 e = q[0] * 0.f; float s = 0.f;                                                               \
-            for (int w = 0; w < W; w++) { memcpy(&x, k + 16 * w, 64); e += q[w] * x; }                      \
-            for (int i = 0; i < 16; i++) s += e[i];                                                          \
-            S[j] = s; m = s > m ? s : m;                                                                     \
+        v16 q[W], even[W], odd[W]; float m = -3.0e38f, sum = 0.f;                                            \
+        for (int w = 0; w < W; w++) {                                                                        \
+            memcpy(&q[w], Q + g * D + 16 * w, 64); q[w] *= scale; even[w] = odd[w] = q[w] * 0.f;             \
         }                                                                                                    \
+        scores_##D(q, Ks, 0, p, S);                                                                          \
+        scores_##D(q, K, p, n, S);                                                                           \
+        for (int64_t j = 0; j < n; j++) m = fmaxf(m, S[j]);                                                  \
         _Pragma("omp simd reduction(+:sum)")                                                                 \
         for (int64_t j = 0; j < n; j++) { S[j] = expf(fmaxf(S[j] - m, -80.f)); sum += S[j]; }                \
-        for (int64_t j = 0; j < n; j++) {                                                                    \
-            const float *v = (j < p ? Vs : V) + j * D;                                                       \
-            for (int w = 0; w < W; w++) { memcpy(&x, v + 16 * w, 64); acc[w] += S[j] * x; }                 \
-        }                                                                                                    \
-        for (int w = 0; w < W; w++) { acc[w] /= sum; memcpy(O + g * D + 16 * w, &acc[w], 64); }             \
+        values_##D(S, Vs, 0, p, even, odd);                                                                  \
+        values_##D(S, V, p, n, even, odd);                                                                   \
+        for (int w = 0; w < W; w++) { v16 x = (even[w] + odd[w]) / sum; memcpy(O + g * D + 16 * w, &x, 64); } \
     }                                                                                                        \
 }
 HEAD(32)
@@ -92,8 +163,10 @@ int decode_attention(const float *q, const float *k_new, const float *v_new, flo
         const float *Q = q + (r * heads + (t % kv_heads) * group) * d;
         float *O = out + (r * heads + (t % kv_heads) * group) * d, *S = scratch + t * span;
         if (k_new) {
-            memcpy(kc + at + (lengths[r] - 1) * d, k_new + t * d, d * sizeof(float));
-            memcpy(vc + at + (lengths[r] - 1) * d, v_new + t * d, d * sizeof(float));
+            for (int64_t i = 0; i < d; i += 16) {  /* d is a multiple of 16: no call of memcpy's own */
+                memcpy(kc + at + (lengths[r] - 1) * d + i, k_new + t * d + i, 64);
+                memcpy(vc + at + (lengths[r] - 1) * d + i, v_new + t * d + i, 64);
+            }
         }
         if (d == 32) head_32(Q, kc + from, vc + from, p, kc + at, vc + at, S, O, lengths[r], group, scale);
         else if (d == 64) head_64(Q, kc + from, vc + from, p, kc + at, vc + at, S, O, lengths[r], group, scale);
