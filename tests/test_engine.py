@@ -405,3 +405,18 @@ def test_the_rotary_table_holds_hfs_values_at_every_position(dense):
         want = km._rotary(emb, h, positions[None])
         for got, expected in zip(table, want):
             assert torch.equal(got[positions], expected)
+
+
+def test_slot_copies_move_each_slots_first_positions_and_nothing_else(dense):
+    """`SlotCache.copy` does a step's moves of several lengths in one indexed copy per layer and length: each
+    slot gets its source's first positions, every other position of every slot stays as it was."""
+    from instar.engines import kv_model as km
+    cache = km.SlotCache(dense, 6, 8)
+    for t in (*cache.k, *cache.v):
+        t.copy_(torch.randn(t.shape))
+    before = [t.clone() for t in (*cache.k, *cache.v)]
+    cache.copy([(0, 3, 5), (1, 4, 2), (2, 5, 5)])
+    for got, old in zip((*cache.k, *cache.v), before):
+        want = old.clone()
+        want[3, :, :5], want[4, :, :2], want[5, :, :5] = old[0, :, :5], old[1, :, :2], old[2, :, :5]
+        assert torch.equal(got, want)

@@ -270,8 +270,8 @@ class EmbeddedEngine:
         for group in self._forward_groups():
             if group := [r for r in group if id(r) not in waiting] if waiting else group:
                 self._run(group)
-        for request, leader, source in twins:  # fed from the last prompt token on, at the next step
-            self._cache.copy(source, request.slot, request.prompt_len - 1)
+        self._cache.copy([(source, request.slot, request.prompt_len - 1) for request, _, source in twins])
+        for request, leader, _ in twins:  # fed from the last prompt token on, at the next step
             request.cached = request.shared = leader.shared = request.prompt_len - 1
             request.family = leader.family = leader
             self.stats["prefix_hit_tokens"] += request.cached
@@ -287,11 +287,10 @@ class EmbeddedEngine:
         self._holes = False
         used = {r.slot for r in self._running}
         holes = iter(slot for slot in range(len(self._running)) if slot not in used)
-        for request in self._running:
-            if request.slot >= len(self._running):
-                slot = next(holes)
-                self._cache.copy(request.slot, slot, request.cached)
-                request.slot = slot
+        moves = [(r, next(holes)) for r in self._running if r.slot >= len(self._running)]
+        self._cache.copy([(r.slot, slot, r.cached) for r, slot in moves])  # from slots >= R into holes < R
+        for request, slot in moves:
+            request.slot = slot
 
     def _forward_groups(self) -> list[list[Request]]:
         """Running requests split into forwards of at most ``max_num_batched_tokens`` new tokens:
