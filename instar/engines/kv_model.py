@@ -138,7 +138,8 @@ class AttentionGroup:
 
     slots: torch.Tensor  # (rows,)
     first_slot: int | None  # rows hold slots first_slot, first_slot + 1, ... in order: the cache is read as a slice
-    mask: torch.Tensor  # (rows, 1, T, span) bool: key position <= query position
+    span: int  # key positions the rows attend to: the longest row's cached keys after this step's
+    mask: torch.Tensor | None  # (rows, 1, T, span) bool: key position <= query position; None: T = 1 (`decode_bias`)
     grid: torch.Tensor | None  # (rows, T), padding repeats a row's last token; None: T = 1 and rows = packed order
     valid: torch.Tensor | None  # (rows, T) bool: grid entries that are real tokens; None: all are
     lengths: torch.Tensor  # (rows,) each row's cached keys after this step's
@@ -146,11 +147,11 @@ class AttentionGroup:
     _bias: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def decode_bias(self, heads: int) -> torch.Tensor:
-        """The mask of single-token rows as 0 / -inf to add to their scores, (rows, heads, span): built
-        once per step, at the first layer, for every layer."""
+        """The mask of single-token rows (each sees its keys up to its length) as 0 / -inf to add to their
+        scores, (rows, heads, span): built once per step, at the first layer, for every layer."""
         if self._bias is None:
-            rows, span = self.mask.shape[0], self.mask.shape[-1]
-            self._bias = torch.zeros(rows, heads, span).masked_fill_(~self.mask[:, 0], float("-inf"))
+            hidden = torch.arange(self.span) >= self.lengths[:, None, None]
+            self._bias = torch.zeros(len(self.lengths), heads, self.span).masked_fill_(hidden, float("-inf"))
         return self._bias
 
 
@@ -161,12 +162,22 @@ class Batch:
 
     tokens: torch.Tensor  # (N,)
     positions: torch.Tensor  # (N,)
-    write_index: torch.Tensor  # (N * kv_heads,) rows of the flattened cache that receive the new keys
+    slots: torch.Tensor  # (N,) the cache slot of each token's row
     last: torch.Tensor | None  # (B,) packed index of each row's last token; None: token b is row b's last
     groups: list[AttentionGroup]
     rope: torch.Tensor | None = None  # (3, N) multimodal rotary positions (vision-language models)
     visual: torch.Tensor | None = None  # (M,) packed indices of image tokens
     features: torch.Tensor | None = None  # (1 + deepstack levels, M, hidden): their embeddings, then additions
+    _rows: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def write_rows(self, cache: SlotCache) -> torch.Tensor:
+        """(N * kv_heads,) rows of the flattened cache that receive the new keys, computed at the first layer
+        that writes them through torch (a decode step through `DecodeKernel` never does)."""
+        if self._rows is None:
+            _, kv_heads, capacity, _ = cache.shape
+            rows = (self.slots[:, None] * kv_heads + torch.arange(kv_heads)) * capacity + self.positions[:, None]
+            self._rows = rows.reshape(-1)
+        return self._rows
 
 
 def make_batch(cache: SlotCache, new_ids: list[list[int]], slots: list[int], past: list[int],
@@ -188,12 +199,9 @@ def make_batch(cache: SlotCache, new_ids: list[list[int]], slots: list[int], pas
     tokens, past_t, slots_t = flat[:n], flat[n: n + rows], flat[n + rows: n + 2 * rows]
     span = max(p + n for p, n in zip(past, sizes))
     cache.reserve(span, max(slots) + 1)
-    _, kv_heads, capacity, _ = cache.shape
     if decode:  # no gathering at all
-        ends = past_t + 1
-        starts, token_slots, positions = torch.arange(rows), slots_t, past_t
-        mask = (torch.arange(span) < ends[:, None])[:, None, None]
-        groups = [AttentionGroup(slots_t, _first_slot(slots), mask, None, None, ends,
+        starts, token_slots, positions = None, slots_t, past_t
+        groups = [AttentionGroup(slots_t, _first_slot(slots), span, None, None, None, past_t + 1,
                                  (flat[n + 2 * rows: n + 3 * rows], flat[n + 3 * rows:]) if shared else None)]
     else:
         lengths = ints(sizes)
@@ -207,12 +215,13 @@ def make_batch(cache: SlotCache, new_ids: list[list[int]], slots: list[int], pas
                 steps = torch.arange(int(lengths[rows_of].max()))
                 grid = starts[rows_of][:, None] + torch.minimum(steps, lengths[rows_of][:, None] - 1)
                 mask = (torch.arange(int(ends[rows_of].max())) <= positions[grid][:, :, None])[:, None]
-                groups.append(AttentionGroup(slots_t[rows_of], _first_slot(slots_t[rows_of].tolist()), mask, grid,
+                groups.append(AttentionGroup(slots_t[rows_of], _first_slot(slots_t[rows_of].tolist()),
+                                             mask.shape[-1], mask, grid,
                                              steps < lengths[rows_of][:, None], ends[rows_of]))
-    write_index = ((token_slots[:, None] * kv_heads + torch.arange(kv_heads)) * capacity + positions[:, None])
-    batch = Batch(tokens, positions, write_index.reshape(-1), None if decode else starts + lengths - 1, groups)
+    batch = Batch(tokens, positions, token_slots, None if decode else starts + lengths - 1, groups)
     if rope is not None:
         batch.rope = torch.cat(rope, dim=1)
+        starts = torch.arange(rows) if starts is None else starts  # a decode step: row b's token is token b
         found = [(starts[b] + at, f) for b, item in enumerate(images or []) if item is not None for at, f in [item]]
         if found:
             batch.visual = torch.cat([at for at, _ in found])
@@ -264,18 +273,18 @@ def attend(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     tokens, head_dim = q.shape[0], cache.shape[3]
     kernel = kernel if kernel is not None and kernel.takes(q, cache.k[layer]) else None
     if kernel is not None and (group := batch.groups[0]).grid is None:  # a pure decode step
-        return kernel(q, cache.k[layer], cache.v[layer], group.slots, group.lengths, group.mask.shape[-1],
+        return kernel(q, cache.k[layer], cache.v[layer], group.slots, group.lengths, group.span,
                       attn.scaling, (k, v), group.shared).reshape(tokens, -1)  # it writes the new keys too
-    cache.k[layer].view(-1, head_dim).index_copy_(0, batch.write_index, k.reshape(-1, head_dim))
-    cache.v[layer].view(-1, head_dim).index_copy_(0, batch.write_index, v.reshape(-1, head_dim))
+    cache.k[layer].view(-1, head_dim).index_copy_(0, batch.write_rows(cache), k.reshape(-1, head_dim))
+    cache.v[layer].view(-1, head_dim).index_copy_(0, batch.write_rows(cache), v.reshape(-1, head_dim))
     out = torch.empty_like(q)
     for group in batch.groups:
         if kernel is not None and group.grid.shape[1] == 1:
             rows = group.grid[:, 0]  # the decode rows of a step that also prefills: one query each
             out.index_copy_(0, rows, kernel(q[rows], cache.k[layer], cache.v[layer], group.slots, group.lengths,
-                                            group.mask.shape[-1], attn.scaling))
+                                            group.span, attn.scaling))
             continue
-        span, first = group.mask.shape[-1], group.first_slot
+        span, first = group.span, group.first_slot
         if first is not None:  # the rows' slots in order: the cache's own slice
             keys = cache.k[layer][first: first + len(group.slots), :, :span]
             values = cache.v[layer][first: first + len(group.slots), :, :span]
@@ -367,9 +376,8 @@ def forward(model: nn.Module, cache: SlotCache, batch: Batch,
         if batch.visual is not None and i + 1 < len(batch.features):  # deepstack: vision features added early
             h[batch.visual] += batch.features[i + 1].to(h.dtype)
     h = h if batch.last is None else h[batch.last]
-    if aot is not None:
-        return aot.logits(h, inner.norm.weight, model.lm_head.weight), torch.stack(routed, dim=1) if routed else None
-    logits = _linear(model.lm_head, _norm(inner.norm, h))
+    logits = (aot.logits(h, inner.norm.weight, model.lm_head.weight) if aot is not None
+              else _linear(model.lm_head, _norm(inner.norm, h)))
     return logits, torch.stack(routed, dim=1) if routed else None
 
 
