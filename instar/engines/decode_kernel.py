@@ -41,11 +41,6 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-/* GCC vectorises the exp loop 8 lanes wide on AVX-512 machines unless told that 16 are welcome */
-#pragma GCC target("prefer-vector-width=512")
-#endif
-
 typedef float v16 __attribute__((vector_size(64)));
 
 #if defined(__clang__) || __GNUC__ >= 12
@@ -206,7 +201,10 @@ def native_library(source: str, name: str, what: str) -> ctypes.PyDLL | None:
     released, a thread (the engine's) would wait to get it back from another (the event loop's), up to its
     5 ms switch interval."""
     cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256(repr((source, cc, platform.node(), platform.machine())).encode()).hexdigest()[:16]
+    flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+    if platform.machine() in ("x86_64", "AMD64"):  # else GCC vectorises loops (exp) 8 lanes wide on AVX-512 too
+        flags.append("-mprefer-vector-width=512")
+    key = hashlib.sha256(repr((source, cc, flags, platform.node(), platform.machine())).encode()).hexdigest()[:16]
     path = cache_dir() / f"{key}-{name}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -214,8 +212,7 @@ def native_library(source: str, name: str, what: str) -> ctypes.PyDLL | None:
             src, obj, lib = (f"{tmp}/{name}.{ext}" for ext in ("c", "o", "so"))
             Path(src).write_text(source)
             try:
-                subprocess.run([cc, "-c", "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", src, "-o", obj],
-                               check=True, capture_output=True)
+                subprocess.run([cc, "-c", *flags, src, "-o", obj], check=True, capture_output=True)
                 subprocess.run([cc, "-shared", "-fopenmp", obj, "-o", lib, "-lmvec", "-lm"], check=True,
                                capture_output=True)
             except (OSError, subprocess.CalledProcessError) as error:
