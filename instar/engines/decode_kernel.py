@@ -202,7 +202,7 @@ def native_library(source: str, name: str, what: str) -> ctypes.PyDLL | None:
     5 ms switch interval."""
     cc = os.environ.get("CC", "cc")
     flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
-    if platform.machine() in ("x86_64", "AMD64"):  # else GCC vectorises loops (exp) 8 lanes wide on AVX-512 too
+    if platform.machine() in ("x86_64", "AMD64"):  # without it GCC vectorises the exp loops 8 lanes wide on AVX-512
         flags.append("-mprefer-vector-width=512")
     key = hashlib.sha256(repr((source, cc, flags, platform.node(), platform.machine())).encode()).hexdigest()[:16]
     path = cache_dir() / f"{key}-{name}.so"

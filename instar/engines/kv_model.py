@@ -212,12 +212,12 @@ def make_batch(cache: SlotCache, new_ids: list[list[int]], slots: list[int], pas
         groups = []
         for rows_of in ((lengths == 1).nonzero()[:, 0], (lengths > 1).nonzero()[:, 0]):
             if len(rows_of):
-                steps = torch.arange(int(lengths[rows_of].max()))
+                steps, span = torch.arange(int(lengths[rows_of].max())), int(ends[rows_of].max())
                 grid = starts[rows_of][:, None] + torch.minimum(steps, lengths[rows_of][:, None] - 1)
-                mask = (torch.arange(int(ends[rows_of].max())) <= positions[grid][:, :, None])[:, None]
-                groups.append(AttentionGroup(slots_t[rows_of], _first_slot(slots_t[rows_of].tolist()),
-                                             mask.shape[-1], mask, grid,
-                                             steps < lengths[rows_of][:, None], ends[rows_of]))
+                # single-token rows attend through `decode_bias` (or the kernel): only longer rows read a mask
+                mask = (torch.arange(span) <= positions[grid][:, :, None])[:, None] if len(steps) > 1 else None
+                groups.append(AttentionGroup(slots_t[rows_of], _first_slot(slots_t[rows_of].tolist()), span, mask,
+                                             grid, steps < lengths[rows_of][:, None], ends[rows_of]))
     batch = Batch(tokens, positions, token_slots, None if decode else starts + lengths - 1, groups)
     if rope is not None:
         batch.rope = torch.cat(rope, dim=1)
