@@ -208,5 +208,7 @@ class ChunkedLogprobs(torch.autograd.Function):
 
 def _log_softmax(logits: torch.Tensor, temperature: float, compute: torch.dtype) -> torch.Tensor:
     """Log-softmax of ``logits / temperature`` in ``compute`` with one temporary of the chunk's size
-    (``logits.float() / t`` would make two)."""
+    (``logits.float() / t`` would make two), none at temperature 1 in ``compute`` already."""
+    if temperature == 1.0:  # log_softmax writes a new tensor: no copy to protect the logits from
+        return torch.log_softmax(logits, dim=-1, dtype=compute)
     return torch.log_softmax(logits.to(compute, copy=True).div_(temperature), dim=-1)
