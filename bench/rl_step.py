@@ -2,8 +2,9 @@
 
 The bare loop is what one would write by hand in plain PyTorch: HF `generate` (left-padded batch,
 temperature 1), the reward, group-normalised advantages, one optimizer step per batch (on-policy
-REINFORCE with the GRPO baseline; rows with a zero advantage, which carry no gradient, left out of the
-backward, as instar does), every core for torch's threads. The reward is the exact answer (1) plus a
+REINFORCE with the GRPO baseline; rows with a zero advantage, which carry no gradient, left out, as
+instar does here with `--train.forward_only_rows false`; `--forward-only-rows` runs them forward for their
+metrics, instar's default), every core for torch's threads. The reward is the exact answer (1) plus a
 shaped part (how often the answer's digits occur, / 100): with the exact answer alone a random-init
 model's groups all score 0, so every advantage would be 0 and neither side would have an update to
 compute; here groups differ, as in a task the policy half solves. instar runs the real `instar rl`
@@ -176,12 +177,12 @@ def matmul_peak(width: int, dtype: torch.dtype, onednn: bool = False) -> float:
 
 
 def floor_seconds(r: dict[str, float], weights: int, prompt_len: float, n_prompts: int, peaks: tuple[float, float],
-                  ) -> tuple[float, float]:
+                  run_idle: bool) -> tuple[float, float]:
     """Core-seconds a step's matmuls take at one core's peak: (engine, trainer). The engine computes each
-    group's prompt once and every sampled token; the trainer runs the same tokens forward and, but for the
-    forward-only rows, backward."""
+    group's prompt once and every sampled token; the trainer runs the same tokens forward and backward but
+    the rows with no gradient: forward only (``run_idle``) or not at all."""
     tokens = r["tokens_per_step"] + n_prompts * prompt_len
-    passes = 6 * (1 - r["forward_only"]) + 2 * r["forward_only"]
+    passes = 6 * (1 - r["forward_only"]) + (2 if run_idle else 0) * r["forward_only"]
     return 2 * weights * tokens / peaks[0], passes * weights * tokens / peaks[1]
 
 
@@ -256,6 +257,7 @@ def instar_run(model_dir: str, prompts: str, agent: str, out: Path, args: argpar
     cfg.ckpt.output_dir = str(out / f"run-{mode}")
     cfg.fsdp.num_ranks = args.ranks
     cfg.engine.compile, cfg.fsdp.compile = args.engine_compile, args.trainer_compile
+    cfg.train.forward_only_rows = args.forward_only_rows
     cfg.fsdp.mixed_precision, cfg.fsdp.cpu_matmul = args.mixed_precision, args.cpu_matmul
     with cpu_window(args.warmup, args.warmup + args.steps) as cpu:
         run(cfg)
@@ -289,6 +291,8 @@ def main() -> None:
                    help="instar's --engine.compile (aot: the dense layers AOT-compiled, built once per model shape)")
     p.add_argument("--trainer-compile", default=True, action=argparse.BooleanOptionalAction,
                    help="instar's --fsdp.compile (the trainer's dense layers through torch.compile)")
+    p.add_argument("--forward-only-rows", default=False, action=argparse.BooleanOptionalAction,
+                   help="instar's --train.forward_only_rows (run the rows with no gradient forward, for metrics)")
     p.add_argument("--cpu-matmul", default="auto", choices=["auto", "onednn", "blas"],
                    help="instar's --fsdp.cpu_matmul (the trainer's float32 linear layers through oneDNN or the BLAS)")
     p.add_argument("--mixed-precision", default="float32", choices=["float32", "bfloat16"],
@@ -313,7 +317,8 @@ def main() -> None:
         bare = {k: (before[k] + after[k]) / 2 for k in before}
     print(f"\nworkload: {args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, "
           f"model scale {args.scale}, {args.steps} timed steps after {args.warmup}; instar with --engine.compile "
-          f"{args.engine_compile}, --fsdp.compile {str(args.trainer_compile).lower()}; "
+          f"{args.engine_compile}, --fsdp.compile {str(args.trainer_compile).lower()}, --train.forward_only_rows "
+          f"{str(args.forward_only_rows).lower()}; "
           f"training in {args.mixed_precision}")
     print(f"bare loop: {bare['tokens_per_s']:8.0f} completion tokens/s, step {bare['step_s']:.3f} s "
           f"(generate {bare['generate_s']:.3f} s, train {bare['train_s']:.3f} s, {args.bare_threads} threads, "
@@ -326,7 +331,8 @@ def main() -> None:
               f" + update {r['train']:.3f} + weight sync {r['weight_sync']:.3f} (transfer {r['transfer']:.3f}, of"
               f" it waiting for the engine's loop {r['engine_wait']:.3f}); engine idle {r['idle_fraction']:.0%}, "
               f"{r['rows_per_step']:.0f} rows and {r['step_ms']:.1f} ms a step; "
-              f"agent runner CPU {r['agent_cpu']:.0%}; rows run forward only {r['forward_only']:.0%}")
+              f"agent runner CPU {r['agent_cpu']:.0%}; rows with no gradient {r['forward_only']:.0%} "
+              f"({'run forward only' if args.forward_only_rows else 'left out'})")
         if "cpu_machine" in r:  # a ceiling: the same work with every core busy all the time
             cores = os.cpu_count() or 1  # what /proc/stat's busy time is of
             packed = r["cpu_machine"] / cores
@@ -334,7 +340,7 @@ def main() -> None:
             print(f"  core-seconds a step: {roles}; the machine {r['cpu_machine']:.3f} of {cores} x {r['cpu_wall']:.3f}"
                   f" ({r['cpu_machine'] / cores / r['cpu_wall']:.0%} busy): with every core busy this work takes "
                   f"{packed:.3f} s a step, ratio {ratio * r['cpu_wall'] / packed:.2f}")
-            engine, trainer = floor_seconds(r, weights, prompt_len, args.prompts, peaks)
+            engine, trainer = floor_seconds(r, weights, prompt_len, args.prompts, peaks, args.forward_only_rows)
             kind = "oneDNN" if onednn else "" if args.mixed_precision == "float32" else "bf16"
             trained = f", the trainer's {peaks[1] / 1e9:.0f} in {kind}" if kind else ""
             print(f"  the matmuls alone at one core's peak ({peaks[0] / 1e9:.0f} GFLOP/s in float32{trained}, measured "

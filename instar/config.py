@@ -270,6 +270,10 @@ class TrainConfig:
     """Lay each micro-batch out as a prefix tree: the prompt a group's samples share (and any longer common
     start) is computed once, not once per sample; same results. Needs packed attention (the CPU default, and
     inside context parallelism); with another --fsdp.attn_implementation every sample is computed in full."""
+    forward_only_rows: bool = True
+    """Run the rows whose loss has no gradient (zero advantage, no entropy or KL term: a GRPO group whose rewards
+    are all equal) forward, for their metrics; false: leave them out while every data-parallel rank keeps a row
+    (the same update; the actor metrics, `vllm_kl` and `ref_kl` included, then cover the trained rows only)."""
     max_barren_batches: int = 10
     """Stop the run after this many rollout batches in a row leave nothing to train on (every rollout
     dropped, or every group rejected by --algo.dynamic_filter); each one is logged with its reason."""

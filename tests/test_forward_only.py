@@ -1,8 +1,10 @@
 """Samples whose loss has no gradient (zero advantage, no entropy or KL term) run forward only: the
 update, its metrics and the old logprobs of later mini-batches are what a backward through them gives;
 an update with nothing to backpropagate still steps the optimizer on a zero gradient; N ranks = 1 rank
-when a rank holds only forward-only samples."""
+when a rank holds only forward-only samples. Left out instead (--train.forward_only_rows false), they leave
+the updates as they were too, and the metrics cover the trained rows."""
 
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -60,17 +62,26 @@ def smooth_worker(model_dir, rank=0, world=1, port=None):
     return w
 
 
-def train(model_dir, samples, idle, loss=None):
-    """A worker after UPDATES, its metrics, and the gradient each optimizer step was given."""
+def train(model_dir, samples, idle, loss=None, updates=UPDATES, run_idle=True, runs=None):
+    """A worker after ``updates``, its metrics, and the gradient each optimizer step was given; ``run_idle``:
+    --train.forward_only_rows; ``runs`` collects the samples of each update's passes."""
     w, grads = smooth_worker(model_dir), []
-    step = w.optimizer.step
+    w.train = replace(w.train, forward_only_rows=run_idle)
+    step, passes = w.optimizer.step, w._micro_batches
+
+    def recorded_passes(batch, inputs=None, indices=None, forward_only=()):
+        if indices is not None:  # an update's passes (a logprob pass names none)
+            runs.append(sorted(indices))
+        return passes(batch, inputs, indices, forward_only)
+    if runs is not None:
+        w._micro_batches = recorded_passes
 
     def recorded(*args, **kwargs):
         grads.append({n: p.grad.detach().clone() for n, p in w.policy.named_parameters()})
         return step(*args, **kwargs)
     w.optimizer.step = recorded
     stats = w.train_policy(samples, loss or partial(rl_loss, rl_config(), 0.0), StepInputs(advantages=advantages()),
-                           updates=UPDATES, forward_only=idle)
+                           updates=updates, forward_only=idle)
     return w, stats.metrics, grads
 
 
@@ -91,6 +102,29 @@ def test_forward_only_samples_leave_the_updates_and_metrics_as_they_were(tiny_mo
     with_grad = [adv for grad, adv in passes.calls if grad]
     assert with_grad and all(adv > 0 for adv in with_grad)  # no backward carried an idle sample
     assert sum(not grad for grad, _ in passes.calls) >= 3  # idle ones of updates 1 and 3, and update 2
+
+
+def test_rows_left_out_give_the_same_updates_and_metrics_over_the_trained_rows(tiny_model_dir, samples):
+    """--train.forward_only_rows false: an update's forward-only rows do not run (update 2, idle only, still
+    runs its rows); the weights are those of the run that ran them, and the metrics are means over the
+    trained rows' tokens: what a run given only those rows logs."""
+    w_fwd, _, fwd_grads = train(tiny_model_dir, samples, IDLE)
+    runs = []
+    w_skip, _, skip_grads = train(tiny_model_dir, samples, IDLE, run_idle=False, runs=runs)
+    assert runs == [[0, 2, 3], [4, 5, 6, 7], [0, 2, 3]]
+    for u in range(3):
+        for k, g in fwd_grads[u].items():
+            torch.testing.assert_close(skip_grads[u][k], g, rtol=1e-5, atol=1e-6, msg=f"update {u + 1}: {k}")
+    for k, v in state(w_fwd).items():
+        torch.testing.assert_close(state(w_skip)[k], v, rtol=1e-5, atol=1e-5, msg=k)
+    _, skipped, _ = train(tiny_model_dir, samples, IDLE, updates=[[0, 1, 2, 3]], run_idle=False)
+    _, trained_only, _ = train(tiny_model_dir, samples, IDLE, updates=[[0, 2, 3]])
+    for k in (*METRICS[:1], *METRICS[2:]):  # the gradient's norm is over every action token
+        assert skipped[k] == pytest.approx(trained_only[k], rel=1e-5, abs=1e-7), k
+    _, all_rows, _ = train(tiny_model_dir, samples, IDLE, updates=[[0, 1, 2, 3]])
+    tokens = [s.num_actions for s in samples[:4]]  # the loss: the same sum over fewer tokens
+    assert skipped["actor/loss"] == pytest.approx(all_rows["actor/loss"] * sum(tokens) / (sum(tokens) - tokens[1]))
+    assert abs(skipped["actor/loss"]) > 1e-4
 
 
 def _two_rank_job(rank, world, port, model_dir, samples):

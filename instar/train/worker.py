@@ -226,7 +226,8 @@ class TrainWorker:
         """Optimizer updates of the policy, one per entry of ``updates`` (index lists into ``samples``;
         default: one update over all of them). ``samples`` and ``inputs`` are the whole batch, the same on
         every rank; each rank takes its work-balanced share of each update. ``forward_only``: samples whose
-        loss has no gradient: forward only (metrics, old logprobs), which leaves the update as it was.
+        loss has no gradient: forward only (metrics, old logprobs), or left out (`_run_rows`); either leaves
+        the update as it was.
 
         "Old" logprobs (the policy before the first update, the denominator of the PPO ratio) come from
         ``inputs.old_logprobs`` when given. Otherwise the first update uses its own forward, detached
@@ -235,7 +236,8 @@ class TrainWorker:
         inputs = inputs or StepInputs()
         old: list[Tensor | None] = list(inputs.old_logprobs or [None] * len(samples))
         inputs = replace(inputs, old_logprobs=None)  # set per micro-batch below
-        later = sorted(set().union(*updates[1:]) - set(updates[0])) if len(updates) > 1 else []
+        runs = [self._run_rows(update, set(forward_only or ())) for update in updates]
+        later = sorted(set().union(*runs[1:]) - set(runs[0])) if len(runs) > 1 else []
         captured: dict[int, Tensor] = {}  # this rank's old logprobs, shared with the others after update 0
         if later and any(old[i] is None for i in later):
             mine = self._share(samples, later)
@@ -272,6 +274,14 @@ class TrainWorker:
         return self._updates(self.critic, self.critic_optimizer, self.critic_scheduler, samples, inputs,
                              updates or [list(range(len(samples)))], loss_of, "critic")
 
+    def _run_rows(self, update: list[int], forward_only: Collection[int]) -> list[int]:
+        """The rows of ``update`` that run: all, or those with a gradient under ``--train.forward_only_rows false``
+        while every data-parallel rank keeps one (`shard_samples` then gives each rank a row)."""
+        if self.train.forward_only_rows or not forward_only:
+            return update
+        trained = [i for i in update if i not in forward_only]
+        return trained if len(trained) >= self.layout.data_size else update
+
     def _share(self, samples: list[Sample], indices: list[int], forward_only: Collection[int] = ()) -> list[int]:
         """This rank's part of ``indices``, split alike on every data-parallel rank (its tp and cp ranks take
         the same part) by work: a ``forward_only`` sample costs a third of one with a backward."""
@@ -296,8 +306,9 @@ class TrainWorker:
         lr = optimizer.param_groups[0]["lr"]
         per_update: list[dict[str, float]] = []
         for u, update in enumerate(updates):
-            mine = self._share(samples, update, forward_only)
-            global_tokens = sum(samples[i].num_actions for i in update)
+            global_tokens = sum(samples[i].num_actions for i in update)  # skipped rows count: the same update
+            run = self._run_rows(update, forward_only)
+            mine = self._share(samples, run, forward_only)
             optimizer.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
             idle = {k for k, i in enumerate(mine) if i in forward_only}
@@ -324,6 +335,9 @@ class TrainWorker:
             optimizer.step()
             names = sorted(sums)
             totals = self.sum_over_data([sums.get(k, 0.0) for k in names])
+            if len(run) < len(update):  # shares of every action token: as means over the trained rows' tokens
+                scale = global_tokens / sum(samples[i].num_actions for i in run)
+                totals = [v if k == "micro_batches" else v * scale for k, v in zip(names, totals)]
             per_update.append({**dict(zip(names, totals)), "grad_norm": float(grad_norm)})
             if u == 0 and after_first is not None:
                 after_first()
