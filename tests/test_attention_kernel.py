@@ -1,6 +1,7 @@
 """The trainer's packed attention kernel (`train/attention_kernel.py`) against SDPA with the mask it stands for:
-outputs and all three gradients, segments with and without context, grouped query heads, empty segments;
-and `packed_attention` through it against its own SDPA path on plain and prefix-tree rows."""
+outputs and all three gradients on a packed row read in place, segments with and without context (one of two
+segments), grouped query heads, an empty segment, one and two threads (the same bits on any count); and
+`packed_attention` through it against its own SDPA path on plain and prefix-tree rows."""
 
 import pytest
 import torch
@@ -12,42 +13,87 @@ from instar.train.attention import packed_attention
 from instar.train.attention_kernel import SegmentAttention
 from instar.train.batch import row_layout
 
-
-def masked_sdpa(q, k, v, context, own, scale):
-    """Query i of segment s sees keys j <= context[s] + i; padded queries give zeros."""
-    (_, T, _, _), TK = q.shape, k.shape[1]
-    seen = context[:, None, None] + torch.arange(T)[None, :, None] + 1
-    mask = (torch.arange(TK)[None, None] < seen)[:, None]
-    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask, scale=scale,
-                                         enable_gqa=True).transpose(1, 2)
-    return out * (torch.arange(T)[None] < own[:, None])[:, :, None, None]
+# a packed row of 22 tokens: a prompt (0) with two continuations (1, 2; 2 empty), one that goes on from 1 (5),
+# a plain sequence (3) with one continuation (4), and a sequence of one token (6)
+BOUNDS = (0, 5, 8, 8, 15, 19, 21, 22)
+CONTEXT = ((), (0,), (0,), (), (3,), (0, 1), ())
 
 
+def plan():
+    own = [list(range(a, b)) for a, b in zip(BOUNDS, BOUNDS[1:])]
+    seen = [[p for c in ctx for p in own[c]] for ctx in CONTEXT]
+    index = torch.zeros(len(own), max(len(s) + len(o) for s, o in zip(seen, own)), dtype=torch.long)
+    for k, (s, o) in enumerate(zip(seen, own)):
+        index[k, :len(s) + len(o)] = torch.tensor(s + o, dtype=torch.long)
+    return index, torch.tensor([len(s) for s in seen]), torch.tensor([len(o) for o in own]), own, seen
+
+
+def masked_sdpa(q, k, v, scale):
+    """The packed row under the mask the segments stand for: a token sees its context's rows and its own
+    segment's rows up to itself."""
+    *_, own, seen = plan()
+    mask = torch.zeros(q.shape[0], q.shape[0], dtype=torch.bool)
+    for rows, context in zip(own, seen):
+        for i in rows:
+            mask[i, context] = True
+            mask[i, rows[0]:i + 1] = True
+    out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("d,heads,kv_heads", [(32, 4, 2), (64, 8, 1), (16, 4, 4), (128, 2, 2)])
-def test_the_kernel_equals_masked_sdpa_forward_and_backward(d, heads, kv_heads):
+def test_the_kernel_equals_masked_sdpa_forward_and_backward(d, heads, kv_heads, threads):
     g = torch.Generator().manual_seed(d + heads)
-    context, own = torch.tensor([0, 5, 17, 0, 2, 9]), torch.tensor([13, 1, 9, 0, 13, 6])
-    T, TK = 13, 28
-    q = torch.randn(6, T, heads, d, generator=g).requires_grad_()
-    k, v = (torch.randn(6, TK, kv_heads, d, generator=g).requires_grad_() for _ in range(2))
-    weights = torch.randn(6, T, heads, d, generator=g)
-    results = []
-    for attend in (SegmentAttention.apply, masked_sdpa):
-        out = attend(q, k, v, context, own, 0.3)
-        (out * weights).sum().backward()
-        results.append([out.detach(), *(t.grad for t in (q, k, v))])
-        for t in (q, k, v):
-            t.grad = None
+    index, context, own, *_ = plan()
+    n = BOUNDS[-1]
+    q = torch.randn(n, heads, d, generator=g).requires_grad_()
+    k, v = (torch.randn(n, kv_heads, d, generator=g).requires_grad_() for _ in range(2))
+    weights = torch.randn(n, heads, d, generator=g)
+    results, before = [], torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for attend in (lambda *t: SegmentAttention.apply(*t, index, context, own, 0.3), masked_sdpa):
+            out = attend(q, k, v) if attend is not masked_sdpa else masked_sdpa(q, k, v, 0.3)
+            (out * weights).sum().backward()
+            results.append([out.detach(), *(t.grad for t in (q, k, v))])
+            for t in (q, k, v):
+                t.grad = None
+    finally:
+        torch.set_num_threads(before)
     for got, want in zip(*results, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5)  # float32, summed in other orders
-    assert results[0][0][3].abs().sum() == 0 and results[0][1][3].abs().sum() == 0  # an empty segment
+
+
+def test_the_kernels_sums_do_not_depend_on_the_thread_count():
+    g = torch.Generator().manual_seed(0)
+    index, context, own, *_ = plan()
+    q = torch.randn(BOUNDS[-1], 4, 32, generator=g).requires_grad_()
+    k, v = (torch.randn(BOUNDS[-1], 2, 32, generator=g).requires_grad_() for _ in range(2))
+    results, before = [], torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            SegmentAttention.apply(q, k, v, index, context, own, 0.5).square().sum().backward()
+            results.append([t.grad.clone() for t in (q, k, v)])
+            for t in (q, k, v):
+                t.grad = None
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        for got, want in zip(other, results[0]):
+            assert torch.equal(got, want)
 
 
 def test_segments_that_do_not_fit_are_refused():
-    q, k = torch.zeros(2, 4, 2, 32), torch.zeros(2, 6, 1, 32)
-    for context, own in (([0, 3], [4, 4]), ([0, 0], [5, 1]), ([-1, 0], [1, 1])):
+    q, k = torch.zeros(6, 2, 32), torch.zeros(6, 1, 32)
+    for index, context, own in (([[0, 1, 2, 3], [4, 5, 0, 0]], [0, 0], [4, 3]),  # keys past the index rows
+                                ([[0, 1, 2, 3], [4, 6, 0, 0]], [0, 0], [4, 2]),  # a row past the packed row
+                                ([[0, 1, 2, 3], [4, 5, 0, 0]], [-1, 0], [4, 2]),
+                                ([[0, 1, 2, 3], [4, 0, 0, 0]], [0, 0], [4, 1])):  # a row nobody owns
         with pytest.raises(ValueError, match="do not fit"):
-            SegmentAttention.apply(q, k, k, torch.tensor(context), torch.tensor(own), 1.0)
+            SegmentAttention.apply(q, k, k, torch.tensor(index), torch.tensor(context), torch.tensor(own), 1.0)
 
 
 @pytest.mark.parametrize("share", [False, True], ids=["plain", "prefix_tree"])

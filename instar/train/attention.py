@@ -58,7 +58,7 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     batch for one causal SDPA call: a real query never sees the padding after it. When padding would
     more than double the work (lengths far apart), one causal call per sequence instead. A shared row
     (``instar_segments`` with context) goes to `_shared_attention`. Float32 on the CPU goes to
-    `attention_kernel` (in the padded layout, whose padding it skips) where it is built.
+    `attention_kernel` where it is built, plain or shared, which reads the packed row in place.
     """
     if kwargs.get("sliding_window"):
         raise NotImplementedError("packed attention has no sliding window (load_model picks sdpa for such models)")
@@ -70,27 +70,26 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         return out.to(query.dtype), None
     kw = {"dropout_p": dropout if module.training else 0.0, "scale": scaling,
           "enable_gqa": query.shape[1] != key.shape[1]}
-    kernel = query.shape[0] == 1 and attention_kernel.takes(query, kw["dropout_p"])  # one packed row
-    if instar_segments is not None and instar_segments.shared:
-        return _shared_attention(query, key, value, instar_segments, kw, kernel), None
-    if instar_segments is not None:
-        bounds = instar_segments.bounds
-    else:
+    if instar_segments is None:
         bounds = (0, query.shape[2]) if cu_seq_lens_q is None else tuple(cu_seq_lens_q.tolist())
+        instar_segments = Segments(bounds, ((),) * (len(bounds) - 1))
+    if query.shape[0] == 1 and attention_kernel.takes(query, kw["dropout_p"]):  # one packed row, read in place
+        index, context, own = _kernel_plan(instar_segments)
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, d]: a view of the projection
+        return attention_kernel.SegmentAttention.apply(q, k, v, index, context, own, _scale(query, scaling))[None], None
+    if instar_segments.shared:
+        return _shared_attention(query, key, value, instar_segments, kw), None
+    bounds = instar_segments.bounds
     lengths = [b - a for a, b in zip(bounds, bounds[1:])]
     kw["is_causal"] = True
-    if kernel or (len(lengths) > 1 and len(lengths) * max(lengths) ** 2 <= 2 * sum(n * n for n in lengths)):
+    if len(lengths) > 1 and len(lengths) * max(lengths) ** 2 <= 2 * sum(n * n for n in lengths):
         slots, width = _padded_slots(bounds), max(lengths)
         rows = len(lengths) * width
         # whole tokens (all heads) move as one row each: gathering a head's 32 floats at a time from the
         # [heads, N, d] view, with an accumulating scatter backward, took ~20 of a demo-sized update's ~330 ms
         q, k, v = (_ToPadded.apply(t[0].transpose(0, 1).reshape(t.shape[2], -1), slots, rows)
                    .view(len(lengths), width, t.shape[1], t.shape[3]) for t in (query, key, value))
-        if kernel:
-            own = torch.tensor(lengths)
-            out = attention_kernel.SegmentAttention.apply(q, k, v, torch.zeros_like(own), own, _scale(query, scaling))
-        else:
-            out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), **kw).transpose(1, 2)
+        out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), **kw).transpose(1, 2)
         return _FromPadded.apply(out.reshape(rows, -1), slots).view(1, query.shape[2], query.shape[1], -1), None
     parts = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], **kw)
              for a, b in zip(bounds, bounds[1:])]
@@ -139,26 +138,21 @@ def _scale(query: torch.Tensor, scaling: float | None) -> float:
 
 
 def _shared_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Segments,
-                      kw: dict[str, Any], kernel: bool = False) -> torch.Tensor:
-    """`packed_attention` of a prefix-tree row: each segment's queries see its context segments whole and
-    its own keys causally. The segments are laid out as one right-padded ``[S, heads, Tq, d]`` batch of
-    queries against ``[S, heads, Tk, d]`` keys (context, then own) under one mask; a context's keys are
+                      kw: dict[str, Any]) -> torch.Tensor:
+    """`packed_attention` of a prefix-tree row through SDPA: each segment's queries see its context segments
+    whole and its own keys causally. The segments are laid out as one right-padded ``[S, heads, Tq, d]`` batch
+    of queries against ``[S, heads, Tk, d]`` keys (context, then own) under one mask; a context's keys are
     gathered into every segment that sees it, so their gradients sum over those segments. When padding
-    would more than double the work, one call per segment instead; ``kernel``: `attention_kernel` instead
-    of SDPA, always padded (it skips the padding)."""
-    plan = _shared_plan(segments, kernel)
+    would more than double the work, one call per segment instead."""
+    plan = _shared_plan(segments)
     if isinstance(plan, list):
         parts = [F.scaled_dot_product_attention(query[:, :, a:z], *(t[:, :, keys] for t in (key, value)),
                                                 attn_mask=mask.to(query.device), **kw)
                  for a, z, keys, mask in plan]
         return torch.cat(parts, dim=2).transpose(1, 2)
-    q_index, k_index, mask, real, context, own = (t if t is None else t.to(query.device) for t in plan)
+    q_index, k_index, mask, real = (t.to(query.device) for t in plan)
     q, k, v = (_gather_tokens(t, i) for t, i in ((query, q_index), (key, k_index), (value, k_index)))
-    if kernel:
-        out = attention_kernel.SegmentAttention.apply(*(t.transpose(1, 2) for t in (q, k, v)), context, own,
-                                                      _scale(query, kw["scale"]))
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw).transpose(1, 2)
     out = out.reshape(q_index.numel(), -1)  # [S, Tq, heads, d] -> the row's [1, N, heads, d]
     return _FromPadded.apply(out, real).view(1, query.shape[2], query.shape[1], -1)
 
@@ -170,34 +164,47 @@ def _gather_tokens(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return rows.view(*index.shape, t.shape[1], t.shape[3]).transpose(1, 2)
 
 
-@functools.lru_cache(maxsize=4)  # every layer of a forward (and its recompute) asks for the same row
-def _shared_plan(segments: Segments, padded: bool = False,
-                 ) -> tuple[torch.Tensor | None, ...] | list[tuple[int, int, torch.Tensor, torch.Tensor]]:
-    """For `_shared_attention`: ``[S, Tq]`` query positions, ``[S, Tk]`` key positions (context first), the
-    ``[S, 1, Tq, Tk]`` mask (None when ``padded``: the kernel needs none), where the row's queries are in the
-    flattened ``[S * Tq]`` (padding points at position 0; its outputs are dropped), and each segment's context
-    and own lengths. Or, unless ``padded``, per segment, its bounds, key positions and ``[Tq, Tk]`` mask."""
+def _segment_rows(segments: Segments) -> tuple[list[list[int]], list[list[int]]]:
+    """Each segment's own rows and the rows of its context, in order."""
     b = segments.bounds
     own = [list(range(b[k], b[k + 1])) for k in range(len(b) - 1)]
-    seen = [[p for c in ctx for p in own[c]] for ctx in segments.context]
+    return own, [[p for c in ctx for p in own[c]] for ctx in segments.context]
+
+
+@functools.lru_cache(maxsize=4)  # every layer of a forward (and its recompute) asks for the same row
+def _kernel_plan(segments: Segments) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For `attention_kernel`: each segment's key rows ``[S, Tk]`` (its context's, then its own; zeros past
+    them), its context's and its own lengths."""
+    own, seen = _segment_rows(segments)
+    index = torch.zeros(len(own), max(len(s) + len(o) for s, o in zip(seen, own)), dtype=torch.long)
+    for k, (s, o) in enumerate(zip(seen, own)):
+        index[k, :len(s) + len(o)] = torch.tensor(s + o)
+    return index, torch.tensor([len(s) for s in seen]), torch.tensor([len(o) for o in own])
+
+
+@functools.lru_cache(maxsize=4)  # every layer of a forward (and its recompute) asks for the same row
+def _shared_plan(segments: Segments) -> tuple[torch.Tensor, ...] | list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """For `_shared_attention`: ``[S, Tq]`` query positions, ``[S, Tk]`` key positions (context first), the
+    ``[S, 1, Tq, Tk]`` mask, and where the row's queries are in the flattened ``[S * Tq]`` (padding points at
+    position 0; its outputs are dropped). Or, when padding would more than double the work, per segment its
+    bounds, key positions and ``[Tq, Tk]`` mask."""
+    own, seen = _segment_rows(segments)
     tq, tk = max(map(len, own)), max(len(s) + len(o) for s, o in zip(seen, own))
     causal = torch.ones(tq, tk, dtype=torch.bool).tril()  # own keys: query i sees own keys 0..i
-    if not padded and len(own) * tq * tk > 2 * sum(len(o) * (len(s) + len(o)) for s, o in zip(seen, own)):
+    if len(own) * tq * tk > 2 * sum(len(o) * (len(s) + len(o)) for s, o in zip(seen, own)):
         return [(o[0], o[-1] + 1, torch.tensor(s + o), torch.cat([torch.ones(len(o), len(s), dtype=torch.bool),
                                                                   causal[:len(o), :len(o)]], 1))
                 for s, o in zip(seen, own)]
     q_index = torch.zeros(len(own), tq, dtype=torch.long)
     k_index = torch.zeros(len(own), tk, dtype=torch.long)
-    mask = None if padded else torch.zeros(len(own), 1, tq, tk, dtype=torch.bool)
+    mask = torch.zeros(len(own), 1, tq, tk, dtype=torch.bool)
     for k, (s, o) in enumerate(zip(seen, own)):
         q_index[k, :len(o)] = torch.tensor(o)
         k_index[k, :len(s) + len(o)] = torch.tensor(s + o)
-        if mask is not None:
-            mask[k, 0, :, :len(s)] = True
-            mask[k, 0, :, len(s):] = causal[:, :tk - len(s)]  # padded queries see what the real ones before see
-    lengths = torch.tensor([len(o) for o in own])
-    valid = torch.arange(tq)[None] < lengths[:, None]
-    return q_index, k_index, mask, valid.reshape(-1).nonzero()[:, 0], torch.tensor([len(s) for s in seen]), lengths
+        mask[k, 0, :, :len(s)] = True
+        mask[k, 0, :, len(s):] = causal[:, :tk - len(s)]  # padded queries see what the real ones before see
+    valid = torch.arange(tq)[None] < torch.tensor([len(o) for o in own])[:, None]
+    return q_index, k_index, mask, valid.reshape(-1).nonzero()[:, 0]
 
 
 def attention_for(path: str, choice: str = "auto") -> str:

@@ -1,16 +1,19 @@
 """The trainer's packed attention on CPU as a C kernel, forward and backward (`attention.packed_attention`).
 
-Why: a packed row's sequences (or a prefix tree's segments) are laid out right-padded, one sequence a batch
-row, for one SDPA call. On CPU that call computes every query against every key and masks afterwards: at
-RL shapes (a few dozen queries, each seeing its context and its own earlier tokens) a third or more of the
-work is masked out, and what is left runs as many tiny products. Here each query reads only the keys it
-sees, four query rows at a time against sixteen keys at a time (a key block loaded once for four rows),
-and the backward recomputes the probabilities from the saved log-sum-exp, as flash attention does.
+Why: for SDPA a packed row's sequences (or a prefix tree's segments) are laid out right-padded, one sequence a
+batch row. On CPU that call computes every query against every key and masks afterwards: at RL shapes (a few
+dozen queries, each seeing its context and its own earlier tokens) a third or more of the work is masked out,
+and what is left runs as many tiny products. Here each query reads only the keys it sees, four query rows at a
+time against sixteen keys at a time (a key block loaded once for four rows), and the backward recomputes the
+probabilities from the saved log-sum-exp, as flash attention does. It reads and writes the packed row where
+it is: each task gathers its segment's keys and values into its own scratch, so no padded copies of the
+queries, keys, values and output (and their gradients) go through memory (~8 ms of a ~175 ms demo-sized update).
 
-Segment s of a batch row: queries ``i < own[s]`` see keys ``j <= context[s] + i`` (its context's keys come
-first in its key rows, then its own); padded queries get zeros. Float32, any head width that is a multiple
-of 16; built like the engine's decode kernel (`decode_kernel.native_library`), and where it cannot be built,
-attention stays on SDPA.
+Segment s: its keys are the rows ``index[s, :context[s] + own[s]]`` of the packed row, its context's first and
+then its own, which are also its queries; query ``i < own[s]`` sees keys ``j <= context[s] + i``. A context
+row's key gradients add up over the segments that see it, in segment order (the same bits on any thread
+count). Float32, any head width that is a multiple of 16; built like the engine's decode kernel
+(`decode_kernel.native_library`), and where it cannot be built, attention stays on SDPA.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import functools
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as funcol
 
 from instar.engines.decode_kernel import native_library
 
@@ -35,12 +39,20 @@ enum { R = 4 };  /* query rows at a time */
 static inline v16 ld(const float *p) { v16 x; memcpy(&x, p, 64); return x; }
 static inline void st(float *p, v16 x) { memcpy(p, &x, 64); }
 
-/* out [d][nk16]: n rows of d floats (row j at base + j * stride), transposed, zero past n */
-static void transpose(const float *base, int64_t stride, int64_t n, int64_t nk16, int64_t d, float *out) {
-    for (int64_t c = 0; c < d; c++) {
-        for (int64_t j = 0; j < n; j++) out[c * nk16 + j] = base[j * stride + c];
-        for (int64_t j = n; j < nk16; j++) out[c * nk16 + j] = 0.f;
+/* out [d][nk16]: the d floats at base + idx[j] * stride for j < n, transposed, zero past n */
+static void transpose(const float *base, int64_t stride, const int64_t *idx, int64_t n, int64_t nk16, int64_t d,
+                      float *out) {
+    for (int64_t j = 0; j < n; j++) {
+        const float *row = base + idx[j] * stride;
+        for (int64_t c = 0; c < d; c++) out[c * nk16 + j] = row[c];
     }
+    for (int64_t c = 0; c < d; c++)
+        for (int64_t j = n; j < nk16; j++) out[c * nk16 + j] = 0.f;
+}
+
+/* out [n][d]: the d floats at base + idx[j] * stride for j < n */
+static void gather(const float *base, int64_t stride, const int64_t *idx, int64_t n, int64_t d, float *out) {
+    for (int64_t j = 0; j < n; j++) memcpy(out + j * d, base + idx[j] * stride, d * 4);
 }
 
 /* S[r][j] = sum_c A[r][c] Bt[c][j] for R rows of A (d wide) and the first nb * 16 columns of Bt; two key blocks
@@ -107,45 +119,51 @@ static void keys_add(const float *restrict P, int64_t nk16, const float *restric
     }
 }
 
-/* R rows of x [S, T, H, d] from row i0 of segment s, head h (times scale), zeros past `rows` */
-static void take_rows(const float *x, int64_t s, int64_t i0, int64_t rows, int64_t h, int64_t T, int64_t H,
-                      int64_t d, float scale, float *A) {
+/* R rows of head h of x [N, H, d]: rows idx[0..rows) (times scale), zeros past `rows` */
+static void take_rows(const float *x, const int64_t *idx, int64_t rows, int64_t h, int64_t H, int64_t d, float scale,
+                      float *A) {
     for (int64_t r = 0; r < R; r++)
-        for (int64_t c = 0; c < d; c++) A[r * d + c] = r < rows ? x[((s * T + i0 + r) * H + h) * d + c] * scale : 0.f;
+        for (int64_t c = 0; c < d; c++) A[r * d + c] = r < rows ? x[(idx[r] * H + h) * d + c] * scale : 0.f;
 }
 
-/* Ask for `rows` rows of x [S, T, H, d] from row i0 of segment s, head h, ahead of their use: the backward reads
-   a block's rows of q, dout and o (each 4 d floats, H d apart) cold, and ~10-20% of its time waited for them */
-static inline void prefetch_rows(const float *x, int64_t s, int64_t i0, int64_t rows, int64_t h, int64_t T,
-                                 int64_t H, int64_t d) {
+/* Ask for head h of rows idx[0..rows) of x [N, H, d] ahead of their use: the backward reads a block's rows of q,
+   dout and o (each 4 d floats, H d apart) cold, and ~10-20% of its time waited for them */
+static inline void prefetch_rows(const float *x, const int64_t *idx, int64_t rows, int64_t h, int64_t H, int64_t d) {
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < d; c += 16) __builtin_prefetch(x + ((s * T + i0 + r) * H + h) * d + c, 0, 3);
+        for (int64_t c = 0; c < d; c += 16) __builtin_prefetch(x + (idx[r] * H + h) * d + c, 0, 3);
 }
 
-static int bad(const int64_t *ctx, const int64_t *own, int64_t S, int64_t T, int64_t TK, int64_t H, int64_t KV,
-               int64_t d) {
+/* segment s: keys at rows index[s][0 .. ctx[s] + own[s]) of the packed row, its context's and then its own, which
+   are also its queries; C bounds the contexts */
+static int bad(const int64_t *index, const int64_t *ctx, const int64_t *own, int64_t S, int64_t T, int64_t TK,
+               int64_t C, int64_t N, int64_t H, int64_t KV, int64_t d) {
     if (KV < 1 || H % KV || d % 16) return 1;
-    for (int64_t s = 0; s < S; s++)
-        if (own[s] < 0 || own[s] > T || ctx[s] < 0 || ctx[s] + own[s] > TK) return 1;
+    for (int64_t s = 0; s < S; s++) {
+        if (own[s] < 0 || own[s] > T || ctx[s] < 0 || ctx[s] > C || ctx[s] + own[s] > TK) return 1;
+        for (int64_t j = 0; j < ctx[s] + own[s]; j++)
+            if (index[s * TK + j] < 0 || index[s * TK + j] >= N) return 1;
+    }
     return 0;
 }
 
-/* q, o [S, T, H, d]; k, v [S, TK, KV, d]; lse [S, H, T]; scratch: threads * ((d + R) nk16 + R d) floats */
-int attention_forward(const float *q, const float *k, const float *v, const int64_t *ctx, const int64_t *own,
-                      float *o, float *lse, float *scratch, int64_t S, int64_t T, int64_t TK, int64_t H, int64_t KV,
-                      int64_t d, float scale, int threads) {
-    if (bad(ctx, own, S, T, TK, H, KV, d)) return -1;
+/* q, o [N, H, d]; k, v [N, KV, d]; index [S, TK]; lse [S, H, T]; o is written at every segment's own rows.
+   scratch: threads * ((2 d + R) nk16 + R d) floats */
+int attention_forward(const float *q, const float *k, const float *v, const int64_t *index, const int64_t *ctx,
+                      const int64_t *own, float *o, float *lse, float *scratch, int64_t S, int64_t T, int64_t TK,
+                      int64_t N, int64_t H, int64_t KV, int64_t d, float scale, int threads) {
+    if (bad(index, ctx, own, S, T, TK, TK, N, H, KV, d)) return -1;
     const int64_t group = H / KV, nk16 = (TK + 15) / 16 * 16;
     #pragma omp parallel for num_threads(threads) schedule(dynamic)
     for (int64_t t = 0; t < S * KV; t++) {
-        const int64_t s = t / KV, kv = t % KV;
-        float *Kt = scratch + omp_get_thread_num() * ((d + R) * nk16 + R * d), *P = Kt + d * nk16, *A = P + R * nk16;
-        const float *K = k + (s * TK * KV + kv) * d, *V = v + (s * TK * KV + kv) * d;
-        transpose(K, KV * d, ctx[s] + own[s], nk16, d, Kt);
+        const int64_t s = t / KV, kv = t % KV, *keys = index + s * TK, *queries = keys + ctx[s];
+        float *Kt = scratch + omp_get_thread_num() * ((2 * d + R) * nk16 + R * d), *V = Kt + d * nk16;
+        float *P = V + d * nk16, *A = P + R * nk16;
+        transpose(k + kv * d, KV * d, keys, ctx[s] + own[s], nk16, d, Kt);
+        gather(v + kv * d, KV * d, keys, ctx[s] + own[s], d, V);
         for (int64_t h = kv * group; h < (kv + 1) * group; h++) {
             for (int64_t i0 = 0; i0 < own[s]; i0 += R) {
                 const int64_t rows = own[s] - i0 < R ? own[s] - i0 : R, n = ctx[s] + i0 + rows;
-                take_rows(q, s, i0, rows, h, T, H, d, scale, A);
+                take_rows(q, queries + i0, rows, h, H, d, scale, A);
                 rows_by_keys(A, Kt, nk16, (n + 15) / 16, d, P);
                 for (int64_t r = 0; r < R; r++) {
                     float *p = P + r * nk16, m = -3.0e38f, sum = 0.f;
@@ -156,69 +174,83 @@ int attention_forward(const float *q, const float *k, const float *v, const int6
                     for (int64_t j = seen; j < n; j++) p[j] = 0.f;
                     if (r < rows) lse[(s * H + h) * T + i0 + r] = m + logf(sum);
                 }
-                probs_by_rows(P, nk16, V, KV * d, n, d, A);
-                for (int64_t r = 0; r < rows; r++) memcpy(o + ((s * T + i0 + r) * H + h) * d, A + r * d, d * 4);
+                probs_by_rows(P, nk16, V, d, n, d, A);
+                for (int64_t r = 0; r < rows; r++) memcpy(o + (queries[i0 + r] * H + h) * d, A + r * d, d * 4);
             }
-            for (int64_t i = own[s]; i < T; i++) {
-                memset(o + ((s * T + i) * H + h) * d, 0, d * 4);
-                lse[(s * H + h) * T + i] = 0.f;
-            }
+            for (int64_t i = own[s]; i < T; i++) lse[(s * H + h) * T + i] = 0.f;
         }
     }
     return 0;
 }
 
-/* The gradients of q, k, v from dout (q's layout) and the forward's o and lse; dk, dv are overwritten.
-   scratch: threads * (2 (d + R) nk16 + 3 R d) floats */
+/* The gradients of q, k, v from dout (q's layout) and the forward's o and lse. A segment's own rows are written
+   by its task; its context keys' gradients go to dck, dcv [S, C, KV, d] and are added in after, in segment order
+   (the same sums on any thread count). scratch: threads * ((5 d + 2 R) nk16 + 3 R d) floats */
 int attention_backward(const float *q, const float *k, const float *v, const float *o, const float *dout,
-                       const float *lse, const int64_t *ctx, const int64_t *own, float *dq, float *dk, float *dv,
-                       float *scratch, int64_t S, int64_t T, int64_t TK, int64_t H, int64_t KV, int64_t d, float scale,
-                       int threads) {
-    if (bad(ctx, own, S, T, TK, H, KV, d)) return -1;
-    const int64_t group = H / KV, nk16 = (TK + 15) / 16 * 16, per = 2 * d * nk16 + 2 * R * nk16 + 3 * R * d;
+                       const float *lse, const int64_t *index, const int64_t *ctx, const int64_t *own, float *dq,
+                       float *dk, float *dv, float *dck, float *dcv, float *scratch, int64_t S, int64_t T, int64_t TK,
+                       int64_t C, int64_t N, int64_t H, int64_t KV, int64_t d, float scale, int threads) {
+    if (bad(index, ctx, own, S, T, TK, C, N, H, KV, d)) return -1;
+    const int64_t group = H / KV, nk16 = (TK + 15) / 16 * 16, per = 5 * d * nk16 + 2 * R * nk16 + 3 * R * d;
     #pragma omp parallel for num_threads(threads) schedule(dynamic)
     for (int64_t t = 0; t < S * KV; t++) {
-        const int64_t s = t / KV, kv = t % KV, at = (s * TK * KV + kv) * d;
-        float *Kt = scratch + omp_get_thread_num() * per, *Vt = Kt + d * nk16, *P = Vt + d * nk16;
-        float *dS = P + R * nk16, *A = dS + R * nk16, *B = A + R * d, *G = B + R * d;
-        for (int64_t j = 0; j < TK; j++) {
-            memset(dk + at + j * KV * d, 0, d * 4);
-            memset(dv + at + j * KV * d, 0, d * 4);
-        }
-        transpose(k + at, KV * d, ctx[s] + own[s], nk16, d, Kt);
-        transpose(v + at, KV * d, ctx[s] + own[s], nk16, d, Vt);
+        const int64_t s = t / KV, kv = t % KV, n_keys = ctx[s] + own[s], *keys = index + s * TK;
+        const int64_t *queries = keys + ctx[s];
+        float *Kt = scratch + omp_get_thread_num() * per, *Vt = Kt + d * nk16, *K = Vt + d * nk16;
+        float *dK = K + d * nk16, *dV = dK + d * nk16, *P = dV + d * nk16, *dS = P + R * nk16;
+        float *A = dS + R * nk16, *B = A + R * d, *G = B + R * d;
+        memset(dK, 0, n_keys * d * 4);
+        memset(dV, 0, n_keys * d * 4);
+        transpose(k + kv * d, KV * d, keys, n_keys, nk16, d, Kt);
+        transpose(v + kv * d, KV * d, keys, n_keys, nk16, d, Vt);
+        gather(k + kv * d, KV * d, keys, n_keys, d, K);
         for (int64_t h = kv * group; h < (kv + 1) * group; h++) {
             for (int64_t i0 = 0; i0 < own[s]; i0 += R) {
                 const int64_t rows = own[s] - i0 < R ? own[s] - i0 : R, n = ctx[s] + i0 + rows, nb = (n + 15) / 16;
                 if (own[s] > i0 + R) {  /* the next block's rows, fetched while this block computes */
                     const int64_t next = own[s] - i0 - R < R ? own[s] - i0 - R : R;
-                    prefetch_rows(q, s, i0 + R, next, h, T, H, d);
-                    prefetch_rows(dout, s, i0 + R, next, h, T, H, d);
-                    prefetch_rows(o, s, i0 + R, next, h, T, H, d);
+                    prefetch_rows(q, queries + i0 + R, next, h, H, d);
+                    prefetch_rows(dout, queries + i0 + R, next, h, H, d);
+                    prefetch_rows(o, queries + i0 + R, next, h, H, d);
                 }
-                take_rows(q, s, i0, rows, h, T, H, d, scale, A);
-                take_rows(dout, s, i0, rows, h, T, H, d, 1.f, B);
+                take_rows(q, queries + i0, rows, h, H, d, scale, A);
+                take_rows(dout, queries + i0, rows, h, H, d, 1.f, B);
                 rows_by_keys(A, Kt, nk16, nb, d, P);
                 rows_by_keys(B, Vt, nk16, nb, d, dS);
                 for (int64_t r = 0; r < R; r++) {
                     float *p = P + r * nk16, *ds = dS + r * nk16, D = 0.f;
                     const int64_t seen = r < rows ? ctx[s] + i0 + r + 1 : 0;
                     if (r < rows) {
-                        const float *orow = o + ((s * T + i0 + r) * H + h) * d, m = lse[(s * H + h) * T + i0 + r];
+                        const float *orow = o + (queries[i0 + r] * H + h) * d, m = lse[(s * H + h) * T + i0 + r];
                         for (int64_t c = 0; c < d; c++) D += B[r * d + c] * orow[c];
                         for (int64_t j = 0; j < seen; j++) { p[j] = expf(p[j] - m); ds[j] = p[j] * (ds[j] - D); }
                     }
                     for (int64_t j = seen; j < n; j++) p[j] = ds[j] = 0.f;
                 }
-                probs_by_rows(dS, nk16, k + at, KV * d, n, d, G);
+                probs_by_rows(dS, nk16, K, d, n, d, G);
                 for (int64_t r = 0; r < rows; r++)
-                    for (int64_t c = 0; c < d; c++) dq[((s * T + i0 + r) * H + h) * d + c] = G[r * d + c] * scale;
-                keys_add(dS, nk16, A, n, d, dk + at, KV * d);
-                keys_add(P, nk16, B, n, d, dv + at, KV * d);
+                    for (int64_t c = 0; c < d; c++) dq[(queries[i0 + r] * H + h) * d + c] = G[r * d + c] * scale;
+                keys_add(dS, nk16, A, n, d, dK, d);
+                keys_add(P, nk16, B, n, d, dV, d);
             }
-            for (int64_t i = own[s]; i < T; i++) memset(dq + ((s * T + i) * H + h) * d, 0, d * 4);
+        }
+        for (int64_t j = 0; j < own[s]; j++) {
+            memcpy(dk + (queries[j] * KV + kv) * d, dK + (ctx[s] + j) * d, d * 4);
+            memcpy(dv + (queries[j] * KV + kv) * d, dV + (ctx[s] + j) * d, d * 4);
+        }
+        for (int64_t j = 0; j < ctx[s]; j++) {
+            memcpy(dck + ((s * C + j) * KV + kv) * d, dK + j * d, d * 4);
+            memcpy(dcv + ((s * C + j) * KV + kv) * d, dV + j * d, d * 4);
         }
     }
+    #pragma omp parallel for num_threads(threads)
+    for (int64_t kv = 0; kv < KV; kv++)
+        for (int64_t s = 0; s < S; s++)
+            for (int64_t j = 0; j < ctx[s]; j++) {
+                float *gk = dk + (index[s * TK + j] * KV + kv) * d, *gv = dv + (index[s * TK + j] * KV + kv) * d;
+                const float *ck = dck + ((s * C + j) * KV + kv) * d, *cv = dcv + ((s * C + j) * KV + kv) * d;
+                for (int64_t c = 0; c < d; c++) { gk[c] += ck[c]; gv[c] += cv[c]; }
+            }
     return 0;
 }
 """
@@ -229,8 +261,8 @@ def _library() -> Any:
     library = native_library(_SOURCE, "attention", "the trainer's packed attention")
     if library is not None:
         p, i = ctypes.c_void_p, ctypes.c_int64
-        library.attention_forward.argtypes = [p] * 8 + [i] * 6 + [ctypes.c_float, ctypes.c_int]
-        library.attention_backward.argtypes = [p] * 12 + [i] * 6 + [ctypes.c_float, ctypes.c_int]
+        library.attention_forward.argtypes = [p] * 9 + [i] * 7 + [ctypes.c_float, ctypes.c_int]
+        library.attention_backward.argtypes = [p] * 15 + [i] * 8 + [ctypes.c_float, ctypes.c_int]
         library.attention_forward.restype = library.attention_backward.restype = ctypes.c_int
     return library
 
@@ -246,33 +278,44 @@ def _pointers(*tensors: torch.Tensor) -> list[int]:
     return [t.data_ptr() for t in tensors]
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in contiguous memory of its own: under context parallelism a row (and its gradient) comes from an
+    all-to-all as a wrapper whose memory is filled once waited on."""
+    return (t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t).contiguous()
+
+
 class SegmentAttention(torch.autograd.Function):
-    """``out [S, T, H, d]`` from ``q [S, T, H, d]``, ``k, v [S, TK, KV, d]`` (contiguous, float32) and per segment
-    ``context``, ``own`` (int64): see the module's doc."""
+    """``out [N, H, d]`` from a packed row's ``q [N, H, d]``, ``k, v [N, KV, d]`` (float32) and its segments:
+    ``index [S, TK]`` the rows of each segment's keys, ``context [S]`` of them first, then its ``own [S]``, which
+    are also its queries (int64; see the module's doc). Every row is one segment's own."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: torch.Tensor,
-                own: torch.Tensor, scale: float) -> torch.Tensor:
-        q, k, v = (t.contiguous() for t in (q, k, v))
-        (S, T, H, d), TK, KV = q.shape, k.shape[1], k.shape[2]
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor,
+                context: torch.Tensor, own: torch.Tensor, scale: float) -> torch.Tensor:
+        q, k, v = (_dense(t) for t in (q, k, v))
+        (N, H, d), KV, (S, TK) = q.shape, k.shape[1], index.shape
+        T = int(own.max()) if S else 0
         out, lse = torch.empty_like(q), q.new_empty(S, H, T)
         threads, nk16 = torch.get_num_threads(), (TK + 15) // 16 * 16
-        scratch = q.new_empty(threads * ((d + 4) * nk16 + 4 * d))
-        if _library().attention_forward(*_pointers(q, k, v, context, own, out, lse, scratch), S, T, TK, H, KV, d,
-                                        scale, threads):
+        scratch = q.new_empty(threads * ((2 * d + 4) * nk16 + 4 * d))
+        if (int(own.sum()) != N or k.shape[0] != N or
+                _library().attention_forward(*_pointers(q, k, v, index, context, own, out, lse, scratch), S, T, TK,
+                                             N, H, KV, d, scale, threads)):
             raise ValueError(f"packed attention kernel: segments (context {context.tolist()}, own {own.tolist()}) do "
-                             f"not fit queries {tuple(q.shape)} and keys {tuple(k.shape)}")
-        ctx.save_for_backward(q, k, v, out, lse, context, own)
+                             f"not fit {N} queries and keys {tuple(k.shape)} with key rows of {TK}")
+        ctx.save_for_backward(q, k, v, out, lse, index, context, own)
         ctx.scale = scale
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse, context, own = ctx.saved_tensors
-        (S, T, H, d), TK, KV = q.shape, k.shape[1], k.shape[2]
+        q, k, v, out, lse, index, context, own = ctx.saved_tensors
+        (N, H, d), KV, (S, TK), T = q.shape, k.shape[1], index.shape, lse.shape[2]
+        C = int(context.max()) if S else 0
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dck, dcv = (k.new_empty(S, C, KV, d) for _ in range(2))  # context keys' gradients, added in after
         threads, nk16 = torch.get_num_threads(), (TK + 15) // 16 * 16
-        scratch = q.new_empty(threads * (2 * (d + 4) * nk16 + 12 * d))
-        _library().attention_backward(*_pointers(q, k, v, out, grad.contiguous(), lse, context, own, dq, dk, dv,
-                                                 scratch), S, T, TK, H, KV, d, ctx.scale, threads)
-        return dq, dk, dv, None, None, None
+        scratch = q.new_empty(threads * ((5 * d + 8) * nk16 + 12 * d))
+        _library().attention_backward(*_pointers(q, k, v, out, _dense(grad), lse, index, context, own, dq, dk,
+                                                 dv, dck, dcv, scratch), S, T, TK, C, N, H, KV, d, ctx.scale, threads)
+        return dq, dk, dv, None, None, None, None
