@@ -21,9 +21,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.optim import Optimizer
 
+from instar.train.model import load_tokenizer
 from instar.train.run_dir import fsync_dir
 
 Stateful = dict[str, tuple[nn.Module, Optimizer]]
@@ -157,3 +163,23 @@ def _world() -> int:
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def export_hf(model: nn.Module, out_dir: str, source: str, rank: int, world_size: int) -> str:
+    """Write ``model`` as an HF checkpoint (``save_pretrained``, plus the tokenizer and any image processor of
+    the ``source`` model directory), loadable by transformers and vLLM; atomic like checkpoints. Collective
+    over the trainer ranks; rank 0 writes."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        tmp = out_dir.rstrip("/") + ".tmp"
+        model.save_pretrained(tmp, state_dict=full)
+        load_tokenizer(source).save_pretrained(tmp)
+        processor = os.path.join(source, "preprocessor_config.json")
+        if os.path.isfile(processor):  # a vision-language model's image processor
+            shutil.copy(processor, tmp)
+        if os.path.isdir(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    if world_size > 1:
+        dist.barrier()
+    return out_dir

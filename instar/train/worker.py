@@ -8,8 +8,6 @@ Every public method is collective: call it on all ranks at once, each with its o
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import nullcontext
@@ -38,7 +36,7 @@ from instar.train.batch import (
 )
 from instar.train.context_parallel import ULYSSES, chunk_rows, split_row, sum_over_chunks
 from instar.train.load import materialize, meta_model
-from instar.train.model import ValueModel, forward_logits, load_model, load_tokenizer, token_logprobs
+from instar.train.model import ValueModel, forward_logits, load_model, token_logprobs
 from instar.train.moe import freeze_routers, replay_routes
 from instar.train.optim import build_optimizer, build_scheduler
 from instar.train.parallel import (
@@ -396,23 +394,8 @@ class TrainWorker:
         return models
 
     def export_hf(self, out_dir: str) -> str:
-        """Write the policy as an HF checkpoint (``save_pretrained`` + tokenizer), loadable by
-        transformers and vLLM; atomic like checkpoints. Collective; rank 0 writes."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        full = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank == 0:
-            tmp = out_dir.rstrip("/") + ".tmp"
-            self.policy.save_pretrained(tmp, state_dict=full)
-            load_tokenizer(self.actor.model_name_or_path).save_pretrained(tmp)
-            processor = os.path.join(self.actor.model_name_or_path, "preprocessor_config.json")
-            if os.path.isfile(processor):  # a vision-language model's image processor
-                shutil.copy(processor, tmp)
-            if os.path.isdir(out_dir):
-                shutil.rmtree(out_dir)
-            os.replace(tmp, out_dir)
-        if self.world_size > 1:
-            dist.barrier()
-        return out_dir
+        """Write the policy as an HF checkpoint (`checkpoint.export_hf`). Collective; rank 0 writes."""
+        return checkpoint.export_hf(self.policy, out_dir, self.actor.model_name_or_path, self.rank, self.world_size)
 
     def shutdown(self) -> None:
         if dist.is_initialized():
