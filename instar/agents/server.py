@@ -83,6 +83,9 @@ class ChatServer:
                  tool_parser: str = "hermes", vision: Vision | None = None) -> None:
         self.engine, self.tokenizer, self.model_name, self.vision = engine, tokenizer, model_name, vision
         self.tool_parser = parser_named(tool_parser).name  # an unknown name fails here, not per request
+        # looked up once: transformers resolves a special token's id by name on every read (~12% of a
+        # single-turn rollout's CPU in the agent runner when each session's transcript asked)
+        self.stop_token_ids = None if tokenizer is None else [tokenizer.eos_token_id]
         self.max_len, self.max_new_tokens = max_len, max_new_tokens
         self.max_sessions, self.max_body_bytes = max_sessions, max_body_bytes
         self.sessions: dict[str, Session] = {}
@@ -115,7 +118,8 @@ class ChatServer:
 
     def transcript(self, session_id: str) -> Transcript:
         return Transcript(self.engine, self.tokenizer, session_id=session_id, max_len=self.max_len,
-                          max_new_tokens=self.max_new_tokens, tool_parser=self.tool_parser, vision=self.vision)
+                          max_new_tokens=self.max_new_tokens, stop_token_ids=self.stop_token_ids,
+                          tool_parser=self.tool_parser, vision=self.vision)
 
     def open(self, sampling: SamplingParams | None = None) -> Session:
         """A new session with a fresh transcript and secret; ``close`` it when the rollout ends."""
