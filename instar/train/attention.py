@@ -196,15 +196,13 @@ def _shared_plan(segments: Segments) -> tuple[torch.Tensor, ...] | list[tuple[in
                                                                   causal[:len(o), :len(o)]], 1))
                 for s, o in zip(seen, own)]
     q_index = torch.zeros(len(own), tq, dtype=torch.long)
-    k_index = torch.zeros(len(own), tk, dtype=torch.long)
     mask = torch.zeros(len(own), 1, tq, tk, dtype=torch.bool)
     for k, (s, o) in enumerate(zip(seen, own)):
         q_index[k, :len(o)] = torch.tensor(o)
-        k_index[k, :len(s) + len(o)] = torch.tensor(s + o)
         mask[k, 0, :, :len(s)] = True
         mask[k, 0, :, len(s):] = causal[:, :tk - len(s)]  # padded queries see what the real ones before see
     valid = torch.arange(tq)[None] < torch.tensor([len(o) for o in own])[:, None]
-    return q_index, k_index, mask, valid.reshape(-1).nonzero()[:, 0]
+    return q_index, _kernel_plan(segments)[0], mask, valid.reshape(-1).nonzero()[:, 0]
 
 
 def attention_for(path: str, choice: str = "auto") -> str:

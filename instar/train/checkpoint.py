@@ -165,12 +165,12 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def export_hf(model: nn.Module, out_dir: str, source: str, rank: int, world_size: int) -> str:
+def export_hf(model: nn.Module, out_dir: str, source: str) -> str:
     """Write ``model`` as an HF checkpoint (``save_pretrained``, plus the tokenizer and any image processor of
     the ``source`` model directory), loadable by transformers and vLLM; atomic like checkpoints. Collective
     over the trainer ranks; rank 0 writes."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:
+    if _rank() == 0:
         tmp = out_dir.rstrip("/") + ".tmp"
         model.save_pretrained(tmp, state_dict=full)
         load_tokenizer(source).save_pretrained(tmp)
@@ -180,6 +180,5 @@ def export_hf(model: nn.Module, out_dir: str, source: str, rank: int, world_size
         if os.path.isdir(out_dir):
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
-    if world_size > 1:
-        dist.barrier()
+    _barrier()
     return out_dir

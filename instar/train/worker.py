@@ -395,7 +395,7 @@ class TrainWorker:
 
     def export_hf(self, out_dir: str) -> str:
         """Write the policy as an HF checkpoint (`checkpoint.export_hf`). Collective; rank 0 writes."""
-        return checkpoint.export_hf(self.policy, out_dir, self.actor.model_name_or_path, self.rank, self.world_size)
+        return checkpoint.export_hf(self.policy, out_dir, self.actor.model_name_or_path)
 
     def shutdown(self) -> None:
         if dist.is_initialized():
