@@ -171,14 +171,15 @@ async def _run(cfg: RLConfig) -> dict[str, float]:
 
 async def sync_weights(cluster: Cluster, pool: Pool, step: int, cfg: RLConfig) -> asyncio.Future:
     """Send the policy after ``step`` to the engines. Returns once it is on its way (the trainer's next call
-    runs after the send) a future of the sync's figures, done when the engines hold it; the pool may then
-    sample under it."""
+    runs after the send) a future of the sync's figures, done when the engines hold it. The pool launches
+    the next groups at once: the engines hold their requests until the new weights are loaded, so the agent
+    runners' work and calls overlap the broadcast (it waited for the sync's answer before: ~0.03 s a step)."""
     t0 = time.perf_counter()
     arrival = await cluster.start_sync(step, keep_in_flight=cfg.train.partial_rollout_enable, background=True)
+    pool.weights_updated()
 
     async def arrived() -> dict[str, float]:
         out = await arrival
-        pool.weights_updated()
         return out | {"weight_sync/total_s": time.perf_counter() - t0}
     return asyncio.ensure_future(arrived())
 

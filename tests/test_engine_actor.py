@@ -56,6 +56,17 @@ def test_requests_made_together_come_back_each_to_its_caller(ray_cluster, tiny_m
     assert running == 1
 
 
+def _bare_actor(engine) -> EngineActor:
+    """The class behind the Ray actor, without Ray, over ``engine`` on a loop of its own thread."""
+    actor = object.__new__(EngineActor.__ray_actor_class__)
+    actor.engine, actor.requests, actor.stale = engine, {}, False
+    actor.weights_ready = asyncio.Event()
+    actor.weights_ready.set()
+    actor.loop = asyncio.new_event_loop()
+    threading.Thread(target=actor.loop.run_forever, daemon=True).start()
+    return actor
+
+
 def test_requests_that_finish_steps_apart_come_back_in_one_item(monkeypatch):
     """`generate_many` holds a finished answer briefly while others run, so that those of the next engine
     steps travel with it (each item of a Ray streaming call costs both processes CPU); one that finishes
@@ -72,10 +83,7 @@ def test_requests_that_finish_steps_apart_come_back_in_one_item(monkeypatch):
         def release(self, session_id):
             self.released.append(session_id)
 
-    actor = object.__new__(EngineActor.__ray_actor_class__)  # the class behind the Ray actor, without Ray
-    actor.engine, actor.requests, actor.stale = Engine(), {}, False
-    actor.loop = asyncio.new_event_loop()
-    threading.Thread(target=actor.loop.run_forever, daemon=True).start()
+    actor = _bare_actor(Engine())
 
     async def main():
         requests = [(key, delay, None, None, None) for key, delay in (("a", 0.05), ("b", 0.06), ("c", 1.5))]
@@ -87,3 +95,49 @@ def test_requests_that_finish_steps_apart_come_back_in_one_item(monkeypatch):
         actor.loop.call_soon_threadsafe(actor.loop.stop)
     assert items == [["a", "b"], ["c"]]
     assert Engine.released == ["old"] and actor.requests == {}
+
+
+def test_requests_after_prepare_sync_wait_for_the_announced_weights():
+    """Once a weight sync is announced (`prepare_sync`), a request that arrives runs only after the engine has
+    paused, received the weights and resumed: the driver launches the next groups before the sync ends, and
+    they must still sample the new policy. A request before the announcement runs at once."""
+    calls: list[str] = []
+    received = threading.Event()
+
+    class Engine:
+        async def generate(self, prompt, params, session_id, images):
+            calls.append(f"generate {prompt}")
+            return prompt
+
+        async def pause(self, mode):
+            calls.append(f"pause {mode}")
+
+        async def receive_weights(self, receive, version):
+            await asyncio.to_thread(received.wait, 5.0)  # the broadcast: held until the test lets it arrive
+            calls.append(f"receive {version}")
+
+        async def resume(self):
+            calls.append("resume")
+
+    actor = _bare_actor(Engine())
+
+    async def main():
+        assert await actor.generate("before", None) == "before"
+        assert await actor.prepare_sync() is False
+        held = asyncio.ensure_future(actor.generate("after", None))
+        many = asyncio.ensure_future(anext(actor.generate_many([("k", "many", None, None, None)])))
+        syncing = asyncio.ensure_future(actor.sync_weights(3, "drain"))
+        await asyncio.sleep(0.2)
+        waiting = list(calls)
+        received.set()
+        await syncing
+        return waiting, await held, await many
+
+    try:
+        waiting, after, many = asyncio.run(main())
+    finally:
+        actor.loop.call_soon_threadsafe(actor.loop.stop)
+    assert waiting == ["generate before", "pause drain"]
+    assert calls[:4] == ["generate before", "pause drain", "receive 3", "resume"]
+    assert sorted(calls[4:]) == ["generate after", "generate many"]
+    assert after == "after" and many == [("k", "many")]

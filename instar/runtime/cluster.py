@@ -141,7 +141,8 @@ class Cluster:
     async def start_sync(self, version: int, keep_in_flight: bool, background: bool = False,
                          ) -> Coroutine[Any, Any, dict[str, float]]:
         """`sync_weights` in two halves: this returns once every call of the sync is sent (the trainer's next
-        call runs after its send); await what it returns for the end, when the engines hold the weights.
+        call runs after its send) and every engine holds the requests that arrive from then on until it has
+        the weights (`EngineActor.prepare_sync`); await what it returns for the end, when it has them.
         ``background``: the trainer takes its next call as soon as it holds a copy of the weights
         (`TrainWorker.send_weights`), so it may train while they travel."""
         if not self.engines:
@@ -150,7 +151,8 @@ class Cluster:
         # the embedded engine keeps the new weights aside until they end, so the trainer does not wait;
         # sampling them again instead threw away a third of all sampled tokens (bench/rl_step.py).
         mode = "keep" if keep_in_flight else "drain"
-        restarted = sum(await asyncio.gather(*(self._call(i, "needs_weights") for i in range(len(self.engines)))))
+        # From here the engines hold new requests until these weights are loaded: new groups may start now
+        restarted = sum(await asyncio.gather(*(self._call(i, "prepare_sync") for i in range(len(self.engines)))))
         if restarted:  # a restarted engine is in no group: every member joins a new one
             self.engine_restarts += restarted
             await self._open_weight_sync()

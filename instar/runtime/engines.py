@@ -83,6 +83,9 @@ class EngineActor:
         with warnings.catch_warnings():  # Ray's own property reads a deprecated one
             warnings.simplefilter("ignore", DeprecationWarning)
             self.stale = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        # Cleared by `prepare_sync` until the weights it announces are loaded: requests wait for them
+        self.weights_ready = asyncio.Event()
+        self.weights_ready.set()
 
     def _on_engine(self, coro: Coroutine) -> asyncio.Future:
         """Run ``coro`` on the engine's loop; cancelling the returned future cancels it there."""
@@ -93,9 +96,15 @@ class EngineActor:
             raise RuntimeError("this rollout engine was restarted after a crash and waits for the policy's "
                                "weights (sent at the next weight sync)")
 
+    async def _serving(self) -> None:
+        """Before a request: refuse it on a restarted engine; hold it while announced weights are on their way."""
+        self._check_serving()
+        if not self.weights_ready.is_set():
+            await self.weights_ready.wait()
+
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        session_id: str | None = None, images: ImageInputs | None = None) -> Generation:
-        self._check_serving()
+        await self._serving()
         return await self._on_engine(self.engine.generate(prompt_token_ids, sampling_params, session_id, images))
 
     async def generate_many(self, requests: list[tuple[str, list[int], SamplingParams, str | None,
@@ -107,7 +116,7 @@ class EngineActor:
         of a call per request: a Ray call costs each side ~1 ms of CPU, as much as a short turn's sampling.
         ``abort(key)`` cancels one request; cancelling the generator cancels those left. ``released``: sessions
         that ended meanwhile (`release`), first."""
-        self._check_serving()
+        await self._serving()
         self.release(*released)
         here = asyncio.get_running_loop()
         finished: asyncio.Queue = asyncio.Queue()
@@ -147,7 +156,7 @@ class EngineActor:
                      session_id: str | None = None, images: ImageInputs | None = None,
                      ) -> AsyncIterator[Sampled | Generation]:
         """A Ray streaming generator (an async generator method): one object per item."""
-        self._check_serving()
+        await self._serving()
         items: asyncio.Queue = asyncio.Queue()
         here = asyncio.get_running_loop()
 
@@ -169,6 +178,13 @@ class EngineActor:
     def needs_weights(self) -> bool:
         """True when this engine was restarted and has had no weights since: it must join a new
         weight-sync group before the broadcast."""
+        return self.stale
+
+    async def prepare_sync(self) -> bool:
+        """The first call of a weight sync: requests that arrive from now on wait until `sync_weights` has
+        loaded the weights, so the driver may hand out new prompt groups at once and they still sample the
+        new policy (the agent runners' work and their calls overlap the broadcast). Returns `needs_weights`."""
+        self.weights_ready.clear()
         return self.stale
 
     def load(self) -> EngineLoad:
@@ -204,8 +220,11 @@ class EngineActor:
             await self.engine.resume()
             return waited
 
-        waited = await self._on_engine(sync())
-        self.stale = False
+        try:
+            waited = await self._on_engine(sync())
+            self.stale = False
+        finally:  # a failed sync fails the run: the requests held meanwhile must not hang until then
+            self.weights_ready.set()
         return waited
 
     async def close(self) -> None:

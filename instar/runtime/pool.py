@@ -3,7 +3,8 @@ a batch as soon as enough groups have finished; unfinished groups carry over to 
 
 Staleness is bounded by how far generation may run ahead: at most `batch_size * (async_queue_size + 1)`
 groups are launched and not yet trained with the engines holding the result, the batch in training
-counted until `weights_updated`. So while batch k trains, batches k+1 .. k+async_queue_size are
+counted until `weights_updated` (called once the engines hold every request that arrives until they have
+the weights trained on it: `EngineActor.prepare_sync`). So while batch k trains, batches k+1 .. k+async_queue_size are
 generated, and a group is trained at most `async_queue_size` policy versions after the one it started
 under (batches are taken in launch order). Counting the batch in training matters: batch k+2 started
 during step k would be sampled under weights one version too old (sampling it again at the sync threw
