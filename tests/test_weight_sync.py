@@ -70,6 +70,45 @@ def test_a_background_send_returns_with_a_copy_and_the_next_send_waits_for_it():
     assert torch.equal(syncs[2][0][1], -torch.arange(8.0)) and [n for n, _ in syncs[2]] == ["w", "v"]
 
 
+def test_a_bucket_table_travels_only_when_it_changed(monkeypatch):
+    """Both ends keep each bucket's table: a sync whose names, dtypes and shapes are those of the last one
+    sends a header and the flat buffer only (two broadcasts, each a rendezvous of two busy processes);
+    a changed table travels again and is used from then on."""
+    from instar.train import weight_sync
+
+    sent: list[int] = []
+    broadcast = weight_sync._broadcast
+
+    def counted(group, tensor):
+        if group.rank == 0:
+            sent.append(tensor.numel())
+        return broadcast(group, tensor)
+
+    monkeypatch.setattr(weight_sync, "_broadcast", counted)
+    first = [("w", torch.arange(4, dtype=torch.float32)), ("v", torch.ones(2))]
+    changed = [("w", torch.arange(6, dtype=torch.float32)), ("v", torch.ones(2))]
+    syncs = [first, [(n, t + 1) for n, t in first], changed, [(n, t * 3) for n, t in changed]]
+    port, per_sync = reserve_port(), []
+
+    def sender():
+        group = open_sync_group("127.0.0.1", port, 0, 2)
+        for params in syncs:
+            before = len(sent)
+            send_weights(iter(params), group)
+            per_sync.append(len(sent) - before)
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    group = open_sync_group("127.0.0.1", port, 1, 2)
+    got = [[(name, t.clone()) for name, t in receive_weights(group, reuse_buffer=True)] for _ in syncs]
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert per_sync == [3, 2, 3, 2]
+    for params, received in zip(syncs, got):
+        assert [n for n, _ in received] == ["w", "v"]
+        assert all(torch.equal(g, t) for (_, t), (_, g) in zip(params, received))
+
+
 def test_mixed_dtypes_strided_and_cast_tensors_round_trip_twice_through_one_kept_buffer():
     # "a" is 6 bytes: packed unaligned, "b" could not be viewed as float32 on the receiver
     first = [("a", torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16)),

@@ -3,19 +3,22 @@ over a dedicated process group (gloo on CPU, NCCL on GPU), never through Ray's o
 
 The group is rank 0 = the trainer's rank 0, ranks 1..E = engine hosts, built directly from a
 ``TCPStore`` so it is independent of the trainer's own process group. Each bucket travels as a
-header (two int64: the table's and the flat buffer's byte lengths), a pickled table (name, dtype,
-shape, offset, nbytes per tensor) and one flat byte buffer in which every tensor starts at a multiple
-of ``ALIGN`` bytes; a zero header ends the stream. The receiver is a generator the engine host hands
+header (three int64: the table's byte length, the flat buffer's, and 1 on the last bucket of the sync),
+a pickled table (name, dtype, shape, offset, nbytes per tensor) and one flat byte buffer in which every
+tensor starts at a multiple of ``ALIGN`` bytes. Both ends keep each bucket's table: when it is the same
+as in the last sync (the usual case) its length is 0 and it is not sent, so a model in one bucket takes
+two broadcasts a sync, each a rendezvous of two busy processes. The receiver is a generator the engine host hands
 to ``engine.update_weights(...)``; it must be consumed to the end, since every step is a collective.
 """
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -40,6 +43,7 @@ class SyncGroup:
     broadcasting it; on GPU the caching allocator keeps freed memory anyway, and holding it would
     take it from training."""
     sending: threading.Thread | None = None  # the sender's background broadcast (`send_weights`), if any
+    tables: list[list[tuple]] = field(default_factory=list)  # each bucket's table in the last sync, both ends
 
     def wait_sent(self) -> None:
         """Return once a background broadcast has gone out; raise what it raised."""
@@ -88,11 +92,20 @@ def _buffer(group: SyncGroup, nbytes: int) -> Tensor:
     return buffer
 
 
-def _send_bucket(group: SyncGroup, table: list[tuple], flat: Tensor) -> None:
-    meta = torch.frombuffer(bytearray(pickle.dumps(table)), dtype=torch.uint8).to(group.device)
-    _broadcast(group, torch.tensor([meta.numel(), flat.numel()], dtype=torch.int64, device=group.device))
-    _broadcast(group, meta)
-    _broadcast(group, flat)
+def _send_bucket(group: SyncGroup, index: int, table: list[tuple], flat: Tensor, last: bool) -> None:
+    same = index < len(group.tables) and group.tables[index] == table
+    meta = None if same else torch.frombuffer(bytearray(pickle.dumps(table)), dtype=torch.uint8).to(group.device)
+    header = [0 if meta is None else meta.numel(), flat.numel(), int(last)]
+    _broadcast(group, torch.tensor(header, dtype=torch.int64, device=group.device))
+    if meta is not None:
+        _broadcast(group, meta)
+        _keep_table(group, index, table)
+    if flat.numel():
+        _broadcast(group, flat)
+
+
+def _keep_table(group: SyncGroup, index: int, table: list[tuple]) -> None:
+    group.tables[index:index + 1] = [table]
 
 
 def send_weights(named_params: Iterable[tuple[str, Tensor]], group: SyncGroup | None, bucket_mb: float = 256.0,
@@ -125,7 +138,7 @@ def send_weights(named_params: Iterable[tuple[str, Tensor]], group: SyncGroup | 
         nbytes = full.numel() * wire_dtype.itemsize
         offset = -(-used // ALIGN) * ALIGN
         if table and offset + nbytes > cap:
-            _send_bucket(group, table, buffer[:used])
+            _send_bucket(group, buckets, table, buffer[:used], last=False)
             buckets, table, offset = buckets + 1, [], 0
         if buffer is None or offset + nbytes > buffer.numel():
             buffer = _buffer(group, max(cap, nbytes))
@@ -138,10 +151,8 @@ def send_weights(named_params: Iterable[tuple[str, Tensor]], group: SyncGroup | 
         return {}
     stats = {"weight_sync/bytes": float(sent), "weight_sync/buckets": float(buckets + bool(table))}
 
-    def finish() -> None:
-        if table:
-            _send_bucket(group, table, buffer[:used])
-        _broadcast(group, torch.zeros(2, dtype=torch.int64, device=group.device))  # end of stream
+    def finish() -> None:  # the last bucket (an empty one for a model without parameters)
+        _send_bucket(group, buckets, table, buffer[:used] if table else torch.empty(0, dtype=torch.uint8), last=True)
 
     if background and buckets == 0 and group.device == "cpu":
         group.sending = threading.Thread(target=_recording(finish), name="weight-sync", daemon=True)
@@ -164,20 +175,22 @@ def _recording(fn: Callable[[], None]) -> Callable[[], None]:
 
 
 def receive_weights(group: SyncGroup, reuse_buffer: bool = False) -> Iterator[tuple[str, Tensor]]:
-    """On an engine host: yield ``(name, tensor)`` as buckets arrive, until the sender's end marker.
+    """On an engine host: yield ``(name, tensor)`` as buckets arrive, until the sender's last bucket.
     Tensors are views into their bucket. By default every bucket lands in fresh memory, since vLLM's
     layerwise reload holds views until it has a whole layer. ``reuse_buffer=True`` lands every bucket
     of every sync in one buffer kept in the group (on CPU ~2.5x faster: no page faults, see
     bench/weight_sync.py); only for a consumer that copies each tensor before it asks for the next,
     as ``EmbeddedEngine.update_weights`` does."""
-    while True:
-        header = _broadcast(group, torch.empty(2, dtype=torch.int64, device=group.device))
-        meta_len, flat_len = header.tolist()
-        if meta_len == 0:
+    for index in itertools.count():
+        header = _broadcast(group, torch.empty(3, dtype=torch.int64, device=group.device))
+        meta_len, flat_len, last = header.tolist()
+        if meta_len:
+            meta = _broadcast(group, torch.empty(meta_len, dtype=torch.uint8, device=group.device))
+            _keep_table(group, index, pickle.loads(meta.cpu().numpy().tobytes()))
+        if flat_len:
+            flat = _broadcast(group, _buffer(group, flat_len)[:flat_len] if reuse_buffer
+                              else torch.empty(flat_len, dtype=torch.uint8, device=group.device))
+            for name, dtype, shape, offset, nbytes in group.tables[index]:
+                yield name, flat[offset:offset + nbytes].view(getattr(torch, dtype)).reshape(shape)
+        if last:
             return
-        meta = _broadcast(group, torch.empty(meta_len, dtype=torch.uint8, device=group.device))
-        table = pickle.loads(meta.cpu().numpy().tobytes())
-        flat = _broadcast(group, _buffer(group, flat_len)[:flat_len] if reuse_buffer
-                          else torch.empty(flat_len, dtype=torch.uint8, device=group.device))
-        for name, dtype, shape, offset, nbytes in table:
-            yield name, flat[offset:offset + nbytes].view(getattr(torch, dtype)).reshape(shape)
