@@ -1,7 +1,7 @@
 """Which settings work together: `check` rejects incompatible combinations before anything starts,
 with a message that names the fix; `in_flight_groups` and `choose_engine` derive what a flag leaves open.
 
-Layer 0 (stdlib only), beside config.py.
+Beside config.py; what an advantage estimator needs is read from its registration (instar.algo).
 """
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from instar.algo.advantages import registered, token_level
 from instar.config import ConfigError, FSDPConfig, RLConfig
-
-GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "grpo", "dr_grpo")
 
 
 def check(cfg: RLConfig) -> None:
     """Reject settings that cannot work together, before anything starts."""
     adv, actor = cfg.algo.advantage, cfg.actor
+    needs = registered(adv.estimator).needs  # first: an unknown name is the error to report
     low, high = adv.is_correction_threshold
     if not 0 <= low < 1 < high:
         raise ConfigError("--algo.advantage.is_correction_threshold must satisfy 0 <= low < 1 < high, "
@@ -24,7 +24,7 @@ def check(cfg: RLConfig) -> None:
     if adv.is_correction_level in ("seq", "geo") and adv.is_correction_mode != "mask":
         raise ConfigError(f"--algo.advantage.is_correction_level {adv.is_correction_level} is a sequence gate and "
                           f"needs --algo.advantage.is_correction_mode mask (got {adv.is_correction_mode})")
-    if adv.estimator in GROUP_ESTIMATORS and cfg.rollout.n_samples_per_prompt < 2:
+    if needs.grouped and cfg.rollout.n_samples_per_prompt < 2:
         raise ConfigError(f"--algo.advantage.estimator {adv.estimator} compares samples of one prompt; "
                           f"set --rollout.n_samples_per_prompt >= 2 (got {cfg.rollout.n_samples_per_prompt})")
     async_run = not cfg.train.force_sync_mode and (cfg.train.async_queue_size > 0 or cfg.train.partial_rollout_enable)
@@ -36,8 +36,8 @@ def check(cfg: RLConfig) -> None:
                           "can be generated ahead; add --train.force_sync_mode")
     if cfg.train.force_sync_mode and cfg.train.partial_rollout_enable:
         raise ConfigError("--train.partial_rollout_enable contradicts --train.force_sync_mode; drop one of them")
-    if adv.estimator == "on_policy_distill" and cfg.algo.kl.coef > 0:
-        raise ConfigError("--algo.advantage.estimator on_policy_distill uses the reference as teacher; "
+    if needs.teacher and cfg.algo.kl.coef > 0:
+        raise ConfigError(f"--algo.advantage.estimator {adv.estimator} uses the reference as teacher; "
                           "set --algo.kl.coef 0")
     if cfg.algo.dynamic_filter is not None and not cfg.algo.dynamic_filter[0] < cfg.algo.dynamic_filter[1]:
         raise ConfigError(f"--algo.dynamic_filter needs low < high, got {cfg.algo.dynamic_filter}")
@@ -144,8 +144,8 @@ def _check_algo(cfg: RLConfig) -> None:
     if not (0 < adv.gamma <= 1 and 0 <= adv.lam <= 1):
         raise ConfigError(f"--algo.advantage.gamma must be in (0, 1] and --algo.advantage.lam in [0, 1], "
                           f"got {adv.gamma} {adv.lam}")
-    if kl.use_in == "reward" and kl.coef > 0 and adv.estimator not in ("reinforce", "gae"):
-        raise ConfigError(f"--algo.kl.use_in reward only shapes token rewards of reinforce / gae; set --algo.kl.use_in "
+    if kl.use_in == "reward" and kl.coef > 0 and not registered(adv.estimator).needs.token_level:
+        raise ConfigError(f"--algo.kl.use_in reward only shapes token rewards of {token_level()}; set --algo.kl.use_in "
                           f"loss for --algo.advantage.estimator {adv.estimator}")
     if kl.coef < 0 or (kl.target is not None and kl.target <= 0) or kl.horizon < 1:
         raise ConfigError(f"--algo.kl.coef must be >= 0, --algo.kl.target > 0 (or unset), --algo.kl.horizon >= 1; "

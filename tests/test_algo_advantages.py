@@ -1,13 +1,13 @@
 """Advantage estimators: golden values worked out by hand, multi-segment and multi-turn placement, errors."""
 
 import math
-import typing
 
 import pytest
 import torch
 
-from instar.algo import ESTIMATORS, AdvantageInputs, compute_advantages
-from instar.config import AdvantageConfig, AlgoConfig
+from instar.algo import ESTIMATORS, AdvantageInputs, Needs, compute_advantages
+from instar.cli.flags import field_docs
+from instar.config import AdvantageConfig, AlgoConfig, ConfigError
 
 EPS = 1e-6  # GRPO_EPS
 
@@ -148,14 +148,23 @@ def test_on_policy_distill_is_teacher_minus_student_logprob():
     torch.testing.assert_close(adv, torch.tensor([[-0.5, 1.0, 0.0]]))  # the padded NaN does not leak
 
 
-def test_registry_matches_config_literal():
-    assert set(ESTIMATORS) == set(typing.get_args(typing.get_type_hints(AdvantageConfig)["estimator"]))
+def test_each_estimator_declares_what_it_needs():
+    # the checks, the cluster (reference, critic) and the loop (old logprobs) act on these records alone
+    assert {name: e.needs for name, e in ESTIMATORS.items()} == {
+        "reinforce_baseline": Needs(grouped=True), "rloo": Needs(grouped=True), "grpo": Needs(grouped=True),
+        "dr_grpo": Needs(grouped=True), "reinforce": Needs(token_level=True),
+        "gae": Needs(critic=True, token_level=True), "on_policy_distill": Needs(ref=True, old=True, teacher=True)}
+    help_text = field_docs(AdvantageConfig)["estimator"]
+    assert all(name in help_text for name in ESTIMATORS), help_text
+    with pytest.raises(ConfigError, match=r"--algo.advantage.estimator 'ppo2' is not registered; choose one of "
+                                          r"\['dr_grpo', 'gae', 'grpo', 'on_policy_distill', 'reinforce', "):
+        compute_advantages(algo("ppo2"), group_batch())
 
 
 def test_errors_name_the_fix():
     x = gae_batch()
     x.values = None
-    with pytest.raises(ValueError, match="gae needs critic values"):
+    with pytest.raises(ValueError, match="gae needs AdvantageInputs.values"):
         compute_advantages(algo("gae"), x)
     cfg = algo("grpo")
     cfg.kl.use_in = "reward"

@@ -17,6 +17,9 @@ Where rewards go.
   of the reverse KL), undiscounted and without the outcome reward; the teacher is `ref_logprobs`.
 
 A group with a single trajectory (its peers were dropped) has no baseline and gets advantage 0.
+
+What an estimator needs (a critic, reference or old logprobs, several samples per prompt) is declared
+beside its name in `ESTIMATORS`, as `Needs`; nothing else names estimators.
 """
 
 from __future__ import annotations
@@ -28,11 +31,10 @@ import torch
 from torch import Tensor
 
 from instar.algo.kl import kl_penalty
-from instar.algo.ops import masked_mean, masked_whiten, register
-from instar.config import AlgoConfig
+from instar.algo.ops import masked_mean, masked_whiten
+from instar.config import AlgoConfig, ConfigError
 
 GRPO_EPS = 1e-6  # added to the group std so a group of equal rewards gives 0, not 0 / 0
-TOKEN_LEVEL = ("reinforce", "gae")  # the estimators that can take the KL penalty in the reward
 
 
 @dataclass
@@ -50,28 +52,53 @@ class AdvantageInputs:
     kl_coef: float = 0.0  # current KL coefficient (KLController.value), used with --algo.kl.use_in reward
 
 
-Estimator = Callable[[AdvantageInputs, AlgoConfig], Tensor]
-ESTIMATORS: dict[str, Estimator] = {}
+@dataclass(frozen=True)
+class Needs:
+    """What an estimator reads besides the rewards, and what that asks of the run."""
+
+    critic: bool = False  # critic values; its returns A + V then train the critic
+    ref: bool = False  # reference logprobs
+    old: bool = False  # the policy's logprobs before the update, from a pass of their own
+    token_level: bool = False  # walks token rewards, so --algo.kl.use_in reward can add the KL penalty to them
+    grouped: bool = False  # compares the samples of one prompt: --rollout.n_samples_per_prompt >= 2
+    teacher: bool = False  # the reference is its teacher, not a KL anchor: --algo.kl.coef must be 0
+
+
+@dataclass(frozen=True)
+class Estimator:
+    fn: Callable[[AdvantageInputs, AlgoConfig], Tensor]
+    needs: Needs
+
+
+def registered(name: str) -> Estimator:
+    """The estimator --algo.advantage.estimator names (`ESTIMATORS`, at the end of this file)."""
+    if name not in ESTIMATORS:
+        raise ConfigError(f"--algo.advantage.estimator {name!r} is not registered; choose one of {sorted(ESTIMATORS)}")
+    return ESTIMATORS[name]
+
+
+def token_level() -> str:
+    """The estimators that can take the KL penalty in their token rewards, for error messages."""
+    return " / ".join(sorted(name for name, e in ESTIMATORS.items() if e.needs.token_level))
 
 
 def compute_advantages(cfg: AlgoConfig, x: AdvantageInputs) -> tuple[Tensor, Tensor | None, dict[str, float]]:
-    """Advantages [B, T] (0 off action tokens), critic returns [B, T] (gae only, else None), metrics."""
+    """Advantages [B, T] (0 off action tokens), critic returns [B, T] (critic estimators, else None), metrics."""
     name = cfg.advantage.estimator
-    if name not in ESTIMATORS:
-        raise ValueError(f"unknown --algo.advantage.estimator {name!r}; choose one of {sorted(ESTIMATORS)}")
-    _validate(cfg, x)
+    est = registered(name)
+    _validate(cfg, est.needs, x)
     mask = x.action_mask.bool()
-    adv = torch.where(mask, ESTIMATORS[name](x, cfg), 0).float()
+    adv = torch.where(mask, est.fn(x, cfg), 0).float()
     if not torch.isfinite(adv).all():
         raise ValueError(f"estimator {name} produced non-finite advantages; check rewards and logprobs for inf/NaN")
-    returns = torch.where(mask, adv + x.values, 0) if name == "gae" else None  # lambda-return = A + V
+    returns = torch.where(mask, adv + x.values, 0) if est.needs.critic else None  # lambda-return = A + V
     metrics = {"advantage_mean": masked_mean(adv, mask).item(),
                "advantage_abs_mean": masked_mean(adv.abs(), mask).item(),
                "reward_mean": _trajectories(x)[1].float().mean().item()}
     return adv, returns, metrics
 
 
-def _validate(cfg: AlgoConfig, x: AdvantageInputs) -> None:
+def _validate(cfg: AlgoConfig, needs: Needs, x: AdvantageInputs) -> None:
     name, mask = cfg.advantage.estimator, x.action_mask
     if mask.dim() != 2:
         raise ValueError(f"action_mask must be [B, T], got shape {tuple(mask.shape)}")
@@ -86,15 +113,13 @@ def _validate(cfg: AlgoConfig, x: AdvantageInputs) -> None:
                              f"got {tuple(t.shape)}")
     if not torch.isfinite(x.rewards).all():
         raise ValueError(f"rewards must be finite, got {x.rewards.tolist()}")
-    if name == "gae" and x.values is None:
-        raise ValueError("--algo.advantage.estimator gae needs critic values (AdvantageInputs.values); "
-                         "compute them with the critic, or pick a critic-free estimator such as grpo")
-    if name == "on_policy_distill" and (x.old_logprobs is None or x.ref_logprobs is None):
-        raise ValueError("--algo.advantage.estimator on_policy_distill needs old_logprobs and the teacher's "
-                         "ref_logprobs; load the teacher as the reference model")
+    for field, needed in (("values", needs.critic), ("old_logprobs", needs.old), ("ref_logprobs", needs.ref)):
+        if needed and getattr(x, field) is None:
+            raise ValueError(f"--algo.advantage.estimator {name} needs AdvantageInputs.{field} (from the critic, the "
+                             "policy or the reference / teacher); compute it, or pick an estimator such as grpo")
     if cfg.kl.use_in == "reward" and x.kl_coef > 0:
-        if name not in TOKEN_LEVEL:
-            raise ValueError(f"--algo.kl.use_in reward shapes token rewards, which only {TOKEN_LEVEL} use; "
+        if not needs.token_level:
+            raise ValueError(f"--algo.kl.use_in reward shapes token rewards, which only {token_level()} use; "
                              f"set --algo.kl.use_in loss for --algo.advantage.estimator {name}")
         if x.old_logprobs is None or x.ref_logprobs is None:
             raise ValueError("--algo.kl.use_in reward with --algo.kl.coef > 0 needs old_logprobs and ref_logprobs")
@@ -135,28 +160,24 @@ def _per_token(row_value: Tensor, x: AdvantageInputs) -> Tensor:
 # ---- sequence-level estimators ----------------------------------------------------------------------
 
 
-@register(ESTIMATORS, "reinforce_baseline")
 def reinforce_baseline(x: AdvantageInputs, cfg: AlgoConfig) -> Tensor:
     """Reward minus its group mean, whitened over all action tokens of the batch (REINFORCE++-baseline)."""
     reward, mean, _, _ = _group_view(x)
     return masked_whiten(_per_token(reward - mean, x), x.action_mask)
 
 
-@register(ESTIMATORS, "rloo")
 def rloo(x: AdvantageInputs, cfg: AlgoConfig) -> Tensor:
     """Reward minus the mean of the other n-1 rewards of its group: (r - mean) * n / (n - 1)."""
     reward, mean, _, size = _group_view(x)
     return _per_token(torch.where(size > 1, (reward - mean) * size / (size - 1).clamp(min=1), 0), x)
 
 
-@register(ESTIMATORS, "grpo")
 def grpo(x: AdvantageInputs, cfg: AlgoConfig) -> Tensor:
     """(r - group mean) / (group std + 1e-6), with the unbiased std (as torch.std)."""
     reward, mean, std, _ = _group_view(x)
     return _per_token((reward - mean) / (std + GRPO_EPS), x)
 
 
-@register(ESTIMATORS, "dr_grpo")
 def dr_grpo(x: AdvantageInputs, cfg: AlgoConfig) -> Tensor:
     """r - group mean, without the std division (Dr. GRPO; the global token-mean removes the length bias)."""
     reward, mean, _, _ = _group_view(x)
@@ -213,7 +234,6 @@ def _token_rewards(x: AdvantageInputs, cfg: AlgoConfig, p: _Packing) -> Tensor:
     return rewards
 
 
-@register(ESTIMATORS, "reinforce")
 def reinforce(x: AdvantageInputs, cfg: AlgoConfig) -> Tensor:
     """REINFORCE++: discounted return-to-go of the token rewards, whitened over all action tokens."""
     p = _pack(x)
@@ -225,7 +245,6 @@ def reinforce(x: AdvantageInputs, cfg: AlgoConfig) -> Tensor:
     return masked_whiten(p.unpack(returns, x.action_mask.float()), x.action_mask)
 
 
-@register(ESTIMATORS, "gae")
 def gae(x: AdvantageInputs, cfg: AlgoConfig) -> Tensor:
     """GAE(gamma, lambda) over the trajectory's action tokens; the value after the last one is 0."""
     p = _pack(x)
@@ -240,7 +259,19 @@ def gae(x: AdvantageInputs, cfg: AlgoConfig) -> Tensor:
     return p.unpack(adv, x.action_mask.float())
 
 
-@register(ESTIMATORS, "on_policy_distill")
 def on_policy_distill(x: AdvantageInputs, cfg: AlgoConfig) -> Tensor:
     """Per-token teacher logprob - student (trainer) logprob: minimising the reverse KL to the teacher."""
     return (x.ref_logprobs - x.old_logprobs).float()
+
+
+# Each estimator with what it needs: the start-up checks, the cluster (which models start) and the loop
+# (which passes run) read this table. Register another with ESTIMATORS["name"] = Estimator(fn, Needs(...)).
+ESTIMATORS: dict[str, Estimator] = {
+    "reinforce_baseline": Estimator(reinforce_baseline, Needs(grouped=True)),
+    "rloo": Estimator(rloo, Needs(grouped=True)),
+    "grpo": Estimator(grpo, Needs(grouped=True)),
+    "dr_grpo": Estimator(dr_grpo, Needs(grouped=True)),
+    "reinforce": Estimator(reinforce, Needs(token_level=True)),
+    "gae": Estimator(gae, Needs(critic=True, token_level=True)),
+    "on_policy_distill": Estimator(on_policy_distill, Needs(ref=True, old=True, teacher=True)),
+}

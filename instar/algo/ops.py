@@ -20,7 +20,7 @@ LOG_RATIO_CLAMP = 20.0
 
 
 def register(table: dict[str, Callable], name: str) -> Callable[[F], F]:
-    """Decorator: ``@register(ESTIMATORS, "grpo")`` adds the function to the table under that name."""
+    """Decorator: ``@register(KL_ESTIMATORS, "k3")`` adds the function to the table under that name."""
 
     def add(fn: F) -> F:
         if name in table:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from instar.algo import AdvantageInputs, compute_advantages, dynamic_filter, policy_loss, value_loss
+from instar.algo import AdvantageInputs, compute_advantages, dynamic_filter, policy_loss, registered, value_loss
 from instar.config import RLConfig
 from instar.contract import ContractError, Sample, Trajectory
 from instar.runtime.pool import Group
@@ -89,7 +89,7 @@ def advantages(cfg: RLConfig, rows: Rows, old_logprobs: list[Tensor] | None, ref
 def needs_old(cfg: RLConfig) -> bool:
     """Whether the advantages need the policy's pre-update logprobs (KL in the reward, distillation)."""
     kl = cfg.algo.kl
-    return cfg.algo.advantage.estimator == "on_policy_distill" or (kl.use_in == "reward" and kl.coef > 0)
+    return registered(cfg.algo.advantage.estimator).needs.old or (kl.use_in == "reward" and kl.coef > 0)
 
 
 def updates_per_batch(cfg: RLConfig) -> int:
