@@ -1,5 +1,5 @@
 """Everything the loop talks to, placed on Ray: rollout engines, agent runners, trainer ranks, and the
-dedicated weight-sync group from trainer rank 0 to every engine.
+dedicated weight-sync group from trainer rank 0 to every engine; `SyncPlan` says when and how it is used.
 
 Ray restarts a crashed engine (`EngineActor`); the restarted one refuses requests until the next weight
 sync forms a new group with it and sends it the policy. A dead trainer rank stops the run
@@ -12,16 +12,19 @@ import importlib.util
 import os
 import time
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
+from instar.algo import registered
 from instar.checks import choose_engine
-from instar.config import ConfigError, RLConfig
+from instar.config import ConfigError, RLConfig, TrainConfig
+from instar.engines import PauseMode
 from instar.runtime.agents import AgentActor
 from instar.runtime.engines import ENGINE_MAX_RESTARTS, EngineActor
-from instar.runtime.placement import nodes, plan, ray_options
+from instar.runtime.placement import Placement, nodes, plan, ray_options
 from instar.runtime.trainer_group import TrainerGroup
 from instar.train.launch import GenerationFlag
 
@@ -29,16 +32,45 @@ CLOSE_TIMEOUT_S = 10.0
 """How long the agent runners and engines get to close before they are killed."""
 
 
+@dataclass(frozen=True)
+class SyncPlan:
+    """When and how the policy goes to the engines: decided here, once, from the config; the loop and
+    `Cluster` carry it out.
+
+    Each step's sync starts once its updates are done. The loop waits for it before the next batch (`wait`)
+    when nothing may be generated ahead (--train.force_sync_mode, --train.async_queue_size 0): nothing could
+    overlap it. Otherwise the next batch trains while the weights travel, the trainer taking its next call
+    as soon as it holds a copy of them (`background`).
+    Requests in flight at a step's sync (`in_flight`) are kept with --train.partial_rollout_enable: paused
+    and resumed, their tokens then span two versions. Otherwise they drain: they end under the weights they
+    started with, and the embedded engine keeps the new weights aside until then, so the trainer does not
+    wait (sampling them again instead threw away a third of all sampled tokens: bench/rl_step.py).
+    A resume's sync drains (nothing is in flight yet); an engine restore sends the weights the others
+    already hold, so their requests are kept. Both are awaited whole, the trainer sending in the foreground."""
+
+    wait: bool
+    in_flight: PauseMode
+    background: bool = True
+    resume_in_flight: PauseMode = "drain"
+    restore_in_flight: PauseMode = "keep"
+
+    @staticmethod
+    def from_config(train: TrainConfig) -> SyncPlan:
+        return SyncPlan(wait=train.force_sync_mode or train.async_queue_size == 0,
+                        in_flight="keep" if train.partial_rollout_enable else "drain")
+
+
 class Cluster:
     def __init__(self, cfg: RLConfig, train: bool = True):
         """``train=False`` starts only engines and agent runners (`instar eval`)."""
         self.cfg, self.train = cfg, train
         adv = cfg.algo.advantage
-        self.has_ref = cfg.algo.kl.coef > 0 or adv.estimator == "on_policy_distill"
-        self.has_critic = adv.estimator == "gae"
+        self.has_ref = cfg.algo.kl.coef > 0 or registered(adv.estimator).needs.ref
+        self.has_critic = registered(adv.estimator).needs.critic
         self.started_ray = False
         self.engine_restarts = 0  # seen at weight syncs, counted in their metrics
         self.generation: GenerationFlag | None = None  # set while rollouts generate, for trainer ranks beside them
+        self.plan = SyncPlan.from_config(cfg.train)
 
     async def __aenter__(self) -> Cluster:
         self.engines, self.agents, self.trainer = [], [], None
@@ -49,6 +81,19 @@ class Cluster:
             raise
 
     async def _start(self) -> Cluster:
+        self._init_ray()
+        replay = bool(self.cfg.train.rollout_replay_dir)  # training from a dump: no engines, no agents
+        gpu = ray.cluster_resources().get("GPU", 0) > 0
+        engine = self._choose_engine(gpu, replay)
+        where = self._place(engine, gpu, replay)
+        self.engines = self._start_engines(engine, where)
+        self.agents = [] if replay else self._start_agents()
+        if self.train:
+            await self._start_trainer(gpu, where)
+        return self
+
+    def _init_ray(self) -> None:
+        """Start a local Ray instance, or join --ray.address; either stays as it is when Ray is already up."""
         cfg = self.cfg
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
@@ -64,9 +109,10 @@ class Cluster:
                                   "`ray start` turned token authentication on (its default once ~/.ray/auth_token "
                                   "exists), run instar with RAY_AUTH_MODE=token and that token (the file, or "
                                   "RAY_AUTH_TOKEN)") from e
-        model = cfg.actor.model_name_or_path
-        replay = bool(cfg.train.rollout_replay_dir)  # training from a dump: no engines, no agents
-        gpu = ray.cluster_resources().get("GPU", 0) > 0
+
+    def _choose_engine(self, gpu: bool, replay: bool) -> str:
+        """The rollout engine, and the weight-sync device and ranks per engine it implies."""
+        cfg = self.cfg
         engine = choose_engine(cfg, gpu, importlib.util.find_spec("vllm") is not None)
         if not replay:
             print(f"instar: rollout engine {engine} (--rollout.engine {cfg.rollout.engine}, "
@@ -78,6 +124,12 @@ class Cluster:
 
             check_engine_config(cfg.engine, "cuda" if gpu else "cpu", cfg.train.routing_replay)
         self.per_engine = tp if vllm else 1  # weight-sync ranks per engine: one per tensor-parallel worker
+        return engine
+
+    def _place(self, engine: str, gpu: bool, replay: bool) -> Placement:
+        """Where the engines and trainer ranks run (said when it is more than one CPU node)."""
+        cfg = self.cfg
+        vllm, tp = engine == "vllm", cfg.engine.tensor_parallel_size
         # Threads: in sync mode generation and training take turns, so each gets every core of its node;
         # otherwise engines and trainer ranks on one node compute at the same time and share its cores
         # (bench/rl_step.py measures it).
@@ -90,27 +142,38 @@ class Cluster:
         if where.layout == "colocated" and vllm and gpu and where.ranks and cfg.engine.gpu_memory_utilization > 0.5:
             print(f"instar: warning: colocated, vLLM may take {cfg.engine.gpu_memory_utilization:.0%} of each GPU the "
                   "trainer shares; lower --engine.gpu_memory_utilization if the trainer runs out of memory", flush=True)
-        self.engines = [EngineActor.options(**ray_options(s)).remote(
-            model, engine, cfg.engine, cfg.train.routing_replay, cpu_share=s.cpu_share) for s in where.engines]
-        self.agents = [] if replay else [AgentActor.options(num_cpus=0).remote(
-            cfg.train.agent_path, model, self.engines, max_len=cfg.data.max_len,
+        return where
+
+    def _start_engines(self, engine: str, where: Placement) -> list[Any]:
+        """One rollout engine actor per placement slot (none when training from a dump)."""
+        cfg = self.cfg
+        return [EngineActor.options(**ray_options(s)).remote(
+            cfg.actor.model_name_or_path, engine, cfg.engine, cfg.train.routing_replay, cpu_share=s.cpu_share,
+            cpu=cfg.cpu) for s in where.engines]
+
+    def _start_agents(self) -> list[Any]:
+        """--rollout.num_agent_runners agent runner actors, each routing to every engine."""
+        cfg = self.cfg
+        return [AgentActor.options(num_cpus=0).remote(
+            cfg.train.agent_path, cfg.actor.model_name_or_path, self.engines, max_len=cfg.data.max_len,
             max_new_tokens=cfg.data.max_new_tokens, agent_timeout=cfg.train.agent_timeout,
             system_prompt=cfg.data.system_prompt, tool_parser=cfg.data.tool_parser)
             for _ in range(cfg.rollout.num_agent_runners)]
-        if not self.train:
-            return self
+
+    async def _start_trainer(self, gpu: bool, where: Placement) -> None:
+        """The trainer ranks, and the weight-sync group from rank 0 to the engines."""
+        cfg = self.cfg
         if where.layout == "colocated" and not gpu and self.engines and not cfg.train.force_sync_mode:
             # the trainer ranks share the cores with generation only while it runs (async mode: a batch
             # generated ahead may finish before the update of a long one does)
             self.generation = GenerationFlag()
-        self.trainer = await TrainerGroup.start(cfg, ref_path=(cfg.actor.ref_model_name_or_path or model)
-                                                if self.has_ref else None, critic=self.has_critic,
-                                                slots=where.ranks, generation=self.generation and self.generation.path)
+        ref = (cfg.actor.ref_model_name_or_path or cfg.actor.model_name_or_path) if self.has_ref else None
+        self.trainer = await TrainerGroup.start(cfg, ref_path=ref, critic=self.has_critic, slots=where.ranks,
+                                                generation=self.generation and self.generation.path)
         if self.generation is not None:
             self.generation.unlink()  # every rank has it open now
         if self.engines:
             await self._open_weight_sync()
-        return self
 
     async def _open_weight_sync(self) -> None:
         """Trainer rank 0 and every engine join a new weight-sync group (a member's old one is dropped);
@@ -132,13 +195,12 @@ class Cluster:
                 raise RuntimeError(f"rollout engine {i} is dead and Ray no longer restarts it (it died more than "
                                    f"{ENGINE_MAX_RESTARTS} times this run); see its log above") from e
 
-    async def sync_weights(self, version: int, keep_in_flight: bool) -> dict[str, float]:
-        """Pause the engines (keeping in-flight requests for partial rollout, else letting them finish
-        under the weights they started with), broadcast trainer rank 0's weights to all of them, set their
-        version, resume."""
-        return await (await self.start_sync(version, keep_in_flight))
+    async def sync_weights(self, version: int, in_flight: PauseMode) -> dict[str, float]:
+        """Pause the engines (``in_flight``: what they do with the requests they hold, `SyncPlan`), broadcast
+        trainer rank 0's weights to all of them, set their version, resume."""
+        return await (await self.start_sync(version, in_flight))
 
-    async def start_sync(self, version: int, keep_in_flight: bool, background: bool = False,
+    async def start_sync(self, version: int, in_flight: PauseMode, background: bool = False,
                          ) -> Coroutine[Any, Any, dict[str, float]]:
         """`sync_weights` in two halves: this returns once every call of the sync is sent (the trainer's next
         call runs after its send) and every engine holds the requests that arrive from then on until it has
@@ -147,10 +209,6 @@ class Cluster:
         (`TrainWorker.send_weights`), so it may train while they travel."""
         if not self.engines:
             return _nothing()
-        # Partial rollout keeps in-flight turns (their tokens then span two versions). Otherwise they drain:
-        # the embedded engine keeps the new weights aside until they end, so the trainer does not wait;
-        # sampling them again instead threw away a third of all sampled tokens (bench/rl_step.py).
-        mode = "keep" if keep_in_flight else "drain"
         # From here the engines hold new requests until these weights are loaded: new groups may start now
         restarted = sum(await asyncio.gather(*(self._call(i, "prepare_sync") for i in range(len(self.engines)))))
         if restarted:  # a restarted engine is in no group: every member joins a new one
@@ -159,7 +217,7 @@ class Cluster:
         t0 = time.perf_counter()
         # Each engine pauses, receives and resumes in one call: it answers between two of its steps.
         sent = self.trainer.send_weights(background=background)
-        received = [e.sync_weights.remote(version, mode) for e in self.engines]
+        received = [e.sync_weights.remote(version, in_flight) for e in self.engines]
 
         async def arrived() -> dict[str, float]:
             results = await asyncio.gather(sent, *received)
@@ -176,7 +234,7 @@ class Cluster:
         """Send the weights now if an engine was restarted: with one engine, nothing is generated until then."""
         if self.engines and any(await asyncio.gather(*(self._call(i, "needs_weights")
                                                        for i in range(len(self.engines))))):
-            await self.sync_weights(version, keep_in_flight=True)
+            await self.sync_weights(version, self.plan.restore_in_flight)
 
     async def __aexit__(self, *exc: Any) -> None:
         async def closing() -> None:  # agents first: they cancel their rollouts while the engines still answer
@@ -195,7 +253,6 @@ class Cluster:
             ray.shutdown()
         if self.generation is not None:
             self.generation.close()
-
 
 
 async def _nothing() -> dict[str, float]:
