@@ -13,7 +13,7 @@ tokens; tokens/s counts only the tokens each session keeps. Each figure is the m
 four measurements interleaved so that a burst of load from other processes hits both sides alike.
 The last two lines are `batch_ratio=<x>` and `agent_ratio=<y>`.
 
-    OMP_NUM_THREADS=1 python bench/engine.py [--model-dir DIR] [--compile aot]
+    OMP_NUM_THREADS=1 python bench/engine.py [--model-dir DIR] [--accelerated]
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-dir", help="HF checkpoint (default: build the tiny model in a temp dir)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--compile", default="none", choices=["none", "aot"], help="the engine's --engine.compile")
+    parser.add_argument("--accelerated", action="store_true", help="the engine with the CPU accelerator (--cpu.enable)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
@@ -112,7 +112,11 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     prompts, budgets, observations = workload(model.config.vocab_size)
     loop = asyncio.new_event_loop()
-    engine = EmbeddedEngine(copy.deepcopy(model), EngineConfig(max_num_seqs=SESSIONS, compile=args.compile))
+    accelerator = None
+    if args.accelerated:
+        from instar.cpu import engine_process
+        accelerator = engine_process()(model)
+    engine = EmbeddedEngine(copy.deepcopy(model), EngineConfig(max_num_seqs=SESSIONS), accelerator=accelerator)
     runs = {
         ("batch", "embedded"): lambda: loop.run_until_complete(engine_batch(engine, prompts)),
         ("batch", "hf"): lambda: hf_batch(model, prompts),
@@ -132,7 +136,8 @@ def main() -> None:
         loop.run_until_complete(engine.close())
         loop.close()
     for name, what in (("batch", "64 prompts x 64 tokens"), ("agent", "64 sessions x 4 turns")):
-        print(f"{name} ({what}): embedded (--engine.compile {args.compile}) {mid[name, 'embedded']:.0f} tok/s, "
+        print(f"{name} ({what}): embedded ({'accelerated' if args.accelerated else 'default'}) "
+              f"{mid[name, 'embedded']:.0f} tok/s, "
               f"HF generate {mid[name, 'hf']:.0f} tok/s")
     print(f"batch_ratio={mid['batch', 'embedded'] / mid['batch', 'hf']:.2f}")
     print(f"agent_ratio={mid['agent', 'embedded'] / mid['agent', 'hf']:.2f}")

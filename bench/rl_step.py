@@ -10,10 +10,11 @@ model's groups all score 0, so every advantage would be 0 and neither side would
 compute; here groups differ, as in a task the policy half solves. instar runs the real `instar rl`
 topology (Ray actors, the embedded engine, the agent runner and its env loop, an FSDP2 trainer rank,
 weight sync) in each mode: strictly on-policy (`--train.force_sync_mode`), async one step ahead (the
-default), and async with partial rollout; its engine with `--engine.compile aot` and its trainer with `--fsdp.compile`
-unless told otherwise (`--engine-compile none`, `--no-trainer-compile`): instar's CPU configuration for speed
-(both off by default in `instar rl`, where a first run builds the kernels for ~20-30 s); the untimed first
-steps build or load them. `--mixed-precision bfloat16` trains both sides in bf16 (instar's
+default), and async with partial rollout; each in two configurations (`--configs`): `default`, `instar rl`'s own
+(plain PyTorch), and `accelerated`, instar's CPU configuration for speed: the CPU accelerator (`--cpu.enable`) and
+the trainer's layers through torch.compile (`--fsdp.compile`, unless `--no-trainer-compile`); a first run builds
+their kernels for ~20-30 s, the untimed first steps build or load them. `--mixed-precision bfloat16` trains both
+sides in bf16 (instar's
 `--fsdp.mixed_precision`, float32 master weights; the bare loop under `torch.autocast`); both generate
 in float32.
 
@@ -26,7 +27,8 @@ mode: the CPU a step took over the timed steps, per role (engine, trainer, agent
 machine), and the ratio the same work would give with every core busy all the time, a ceiling for better
 scheduling alone; then the core-seconds the step's matmuls alone would take at one core's peak (measured in
 the run on a trainer-shaped product) and the ratio if that were all the step did: a ceiling for any
-implementation of the same arithmetic. The last line is `rl_ratio=<instar async / bare>` (the median over rounds).
+implementation of the same arithmetic. The last lines are `rl_ratio[<configuration>]=<instar async / bare>` (the
+median over rounds), one per configuration.
 
     OMP_NUM_THREADS=1 python bench/rl_step.py                          # 8 prompts x 8 samples x 48 tokens
     OMP_NUM_THREADS=1 python bench/rl_step.py --prompts 32 --new-tokens 256 --scale 10   # a 10x model
@@ -48,8 +50,8 @@ from pathlib import Path
 import torch
 
 from instar.config import RLConfig
+from instar.cpu.trainer import onednn_linear, uses_onednn
 from instar.data.tiny_model import TinySpec, build_tiny_model
-from instar.train.cpu_kernels import onednn_linear, uses_onednn
 from instar.train.model import DTYPES
 
 AGENT = '''
@@ -161,7 +163,7 @@ def matmul_work(model_dir: str, prompts_path: str, n_prompts: int) -> tuple[int,
 
 def matmul_peak(width: int, dtype: torch.dtype, onednn: bool = False) -> float:
     """FLOP/s of one thread on a trainer-shaped product, (3072, width) @ (width, 2 width), measured now;
-    ``onednn``: through oneDNN, as instar's trainer with --fsdp.cpu_matmul onednn computes it."""
+    ``onednn``: through oneDNN, as instar's trainer with --cpu.matmul onednn computes it."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     a, w = torch.randn(3072, width, dtype=dtype), torch.randn(2 * width, width, dtype=dtype)
@@ -243,7 +245,7 @@ def cpu_window(first: int, last: int) -> Iterator[dict[str, float]]:
 
 
 def instar_run(model_dir: str, prompts: str, agent: str, out: Path, args: argparse.Namespace,
-               mode: str) -> dict[str, float]:
+               config: str, mode: str) -> dict[str, float]:
     from instar.loop import run
 
     cfg = RLConfig()
@@ -254,14 +256,16 @@ def instar_run(model_dir: str, prompts: str, agent: str, out: Path, args: argpar
     cfg.algo.advantage.estimator = "grpo"
     cfg.train.force_sync_mode = mode == "sync"
     cfg.train.partial_rollout_enable = mode == "partial"
-    cfg.ckpt.output_dir = str(out / f"run-{mode}")
+    cfg.ckpt.output_dir = str(out / f"run-{config}-{mode}")
     cfg.fsdp.num_ranks = args.ranks
-    cfg.engine.compile, cfg.fsdp.compile = args.engine_compile, args.trainer_compile
+    accelerated = config == "accelerated"
+    cfg.cpu.enable, cfg.cpu.matmul = accelerated, args.cpu_matmul
+    cfg.fsdp.compile = accelerated and args.trainer_compile
     cfg.train.forward_only_rows = args.forward_only_rows
-    cfg.fsdp.mixed_precision, cfg.fsdp.cpu_matmul = args.mixed_precision, args.cpu_matmul
+    cfg.fsdp.mixed_precision = args.mixed_precision
     with cpu_window(args.warmup, args.warmup + args.steps) as cpu:
         run(cfg)
-    rows = [json.loads(line) for line in (out / f"run-{mode}/metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / f"run-{config}-{mode}/metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if r.get("step", 0) > args.warmup and "time/step" in r]
     seconds = sum(r["time/step"] for r in timed)
     tokens = sum(r["response_length"] * r["trajectories"] for r in timed)
@@ -287,46 +291,71 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--modes", default="sync,async,partial")
     p.add_argument("--ranks", type=int, default=1, help="instar's trainer ranks (--fsdp.num_ranks)")
-    p.add_argument("--engine-compile", default="aot", choices=["none", "aot"],
-                   help="instar's --engine.compile (aot: the dense layers AOT-compiled, built once per model shape)")
+    p.add_argument("--configs", default="default,accelerated",
+                   help="instar's configurations: default (plain PyTorch), accelerated (--cpu.enable, --fsdp.compile)")
     p.add_argument("--trainer-compile", default=True, action=argparse.BooleanOptionalAction,
-                   help="instar's --fsdp.compile (the trainer's dense layers through torch.compile)")
+                   help="accelerated: with --fsdp.compile (the trainer's dense layers through torch.compile)")
     p.add_argument("--forward-only-rows", default=False, action=argparse.BooleanOptionalAction,
                    help="instar's --train.forward_only_rows (run the rows with no gradient forward, for metrics)")
     p.add_argument("--cpu-matmul", default="auto", choices=["auto", "onednn", "blas"],
-                   help="instar's --fsdp.cpu_matmul (the trainer's float32 linear layers through oneDNN or the BLAS)")
+                   help="accelerated: --cpu.matmul (the trainer's float32 linear layers through oneDNN or the BLAS)")
     p.add_argument("--mixed-precision", default="float32", choices=["float32", "bfloat16"],
                    help="the training compute dtype: instar's --fsdp.mixed_precision, autocast in the bare loop")
     p.add_argument("--bare-threads", type=int, default=2, help="torch threads of the bare loop (0: torch's default)")
     p.add_argument("--rounds", type=int, default=1, help="instar's runs this many times, each between two runs of "
                    "the bare loop; rl_ratio: the median of the rounds' ratios (the details printed: the last round)")
     args = p.parse_args()
+    configs, modes = args.configs.split(","), args.modes.split(",")
     with tempfile.TemporaryDirectory() as d:
         out = Path(d)
         model_dir, prompts, agent = build(out, args.scale, args.prompts)
         weights, prompt_len, width = matmul_work(model_dir, prompts, args.prompts)
-        onednn = args.mixed_precision == "float32" and uses_onednn(args.cpu_matmul)  # what instar's trainer runs
-        peaks = (matmul_peak(width, torch.float32), matmul_peak(width, DTYPES[args.mixed_precision], onednn))
+        peaks = {}
+        for config in configs:  # the trainer's products as each configuration computes them
+            onednn = config == "accelerated" and args.mixed_precision == "float32" and uses_onednn(args.cpu_matmul)
+            peaks[config] = (matmul_peak(width, torch.float32),
+                             matmul_peak(width, DTYPES[args.mixed_precision], onednn), onednn)
         # the bare loop before and after each round of instar's runs, averaged: the machine's speed drifts
         bares, rounds = [bare_loop(model_dir, prompts, args)], []
         for r in range(args.rounds):
-            rounds.append({mode: instar_run(model_dir, prompts, agent, out / f"round-{r}", args, mode)
-                           for mode in args.modes.split(",")})
+            rounds.append({(config, mode): instar_run(model_dir, prompts, agent, out / f"round-{r}", args, config, mode)
+                           for config in configs for mode in modes})
             bares.append(bare_loop(model_dir, prompts, args))
-        before, after, results = bares[-2], bares[-1], rounds[-1]  # the lines below: the last round
+        before, after = bares[-2], bares[-1]  # the lines below: the last round
         bare = {k: (before[k] + after[k]) / 2 for k in before}
     print(f"\nworkload: {args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, "
-          f"model scale {args.scale}, {args.steps} timed steps after {args.warmup}; instar with --engine.compile "
-          f"{args.engine_compile}, --fsdp.compile {str(args.trainer_compile).lower()}, --train.forward_only_rows "
-          f"{str(args.forward_only_rows).lower()}; "
-          f"training in {args.mixed_precision}")
+          f"model scale {args.scale}, {args.steps} timed steps after {args.warmup}; instar configurations: "
+          + "; ".join(CONFIGS[c].format(compile=str(args.trainer_compile).lower(), matmul=args.cpu_matmul)
+                      for c in configs)
+          + f"; --train.forward_only_rows {str(args.forward_only_rows).lower()}; training in {args.mixed_precision}")
     print(f"bare loop: {bare['tokens_per_s']:8.0f} completion tokens/s, step {bare['step_s']:.3f} s "
           f"(generate {bare['generate_s']:.3f} s, train {bare['train_s']:.3f} s, {args.bare_threads} threads, "
           f"rows with no advantage {bare['forward_only']:.0%}; "
           f"{before['tokens_per_s']:.0f} before instar's runs, {after['tokens_per_s']:.0f} after)")
+    for config in configs:
+        report({mode: rounds[-1][config, mode] for mode in modes}, bare, config, peaks[config], weights, prompt_len,
+               args)
+    for config in configs:
+        main_mode = "async" if "async" in modes else modes[0]
+        around = [(b0["tokens_per_s"] + b1["tokens_per_s"]) / 2 for b0, b1 in zip(bares, bares[1:])]
+        ratios = [run[config, main_mode]["tokens_per_s"] / b for run, b in zip(rounds, around)]
+        if len(ratios) > 1:
+            print(f"{config} {main_mode} by round (bare loop around it): " + ", ".join(
+                f"{run[config, main_mode]['tokens_per_s']:.0f} / {b:.0f} = {q:.2f}"
+                for run, b, q in zip(rounds, around, ratios)))
+        print(f"rl_ratio[{config}]={statistics.median(ratios):.2f}")
+
+
+CONFIGS = {"default": "default (plain PyTorch, as `instar rl` runs unless told otherwise)",
+           "accelerated": "accelerated (--cpu.enable true --cpu.matmul {matmul} --fsdp.compile {compile})"}
+
+
+def report(results: dict[str, dict[str, float]], bare: dict[str, float], config: str,
+           peaks: tuple[float, float, bool], weights: int, prompt_len: float, args: argparse.Namespace) -> None:
+    """The lines of one configuration's runs: each mode's figures and ceilings, then its mode ratios."""
     for mode, r in results.items():
         ratio = r["tokens_per_s"] / bare["tokens_per_s"]
-        print(f"instar {mode:8s} {r['tokens_per_s']:8.0f} completion tokens/s, ratio {ratio:.2f}"
+        print(f"instar {config} {mode:8s} {r['tokens_per_s']:8.0f} completion tokens/s, ratio {ratio:.2f}"
               f"; step {r['step']:.3f} s = waiting for rollouts {r['trainer_idle']:.3f} + logprobs {r['logprobs']:.3f}"
               f" + update {r['train']:.3f} + weight sync {r['weight_sync']:.3f} (transfer {r['transfer']:.3f}, of"
               f" it waiting for the engine's loop {r['engine_wait']:.3f}); engine idle {r['idle_fraction']:.0%}, "
@@ -340,24 +369,18 @@ def main() -> None:
             print(f"  core-seconds a step: {roles}; the machine {r['cpu_machine']:.3f} of {cores} x {r['cpu_wall']:.3f}"
                   f" ({r['cpu_machine'] / cores / r['cpu_wall']:.0%} busy): with every core busy this work takes "
                   f"{packed:.3f} s a step, ratio {ratio * r['cpu_wall'] / packed:.2f}")
-            engine, trainer = floor_seconds(r, weights, prompt_len, args.prompts, peaks, args.forward_only_rows)
-            kind = "oneDNN" if onednn else "" if args.mixed_precision == "float32" else "bf16"
+            engine, trainer = floor_seconds(r, weights, prompt_len, args.prompts, peaks[:2], args.forward_only_rows)
+            kind = "oneDNN" if peaks[2] else "" if args.mixed_precision == "float32" else "bf16"
             trained = f", the trainer's {peaks[1] / 1e9:.0f} in {kind}" if kind else ""
             print(f"  the matmuls alone at one core's peak ({peaks[0] / 1e9:.0f} GFLOP/s in float32{trained}, measured "
                   f"now): engine {engine:.3f} + trainer {trainer:.3f} core-seconds a "
                   f"step, {(engine + trainer) / r['cpu_machine']:.0%} of the machine's; with nothing else and every "
                   f"core busy, ratio {ratio * r['cpu_wall'] / ((engine + trainer) / cores):.2f}")
     if "sync" in results and "async" in results:
-        print(f"async_over_sync={results['async']['tokens_per_s'] / results['sync']['tokens_per_s']:.2f}")
+        print(f"{config} async_over_sync={results['async']['tokens_per_s'] / results['sync']['tokens_per_s']:.2f}")
     if "partial" in results and "async" in results:
-        print(f"partial_over_async={results['partial']['tokens_per_s'] / results['async']['tokens_per_s']:.2f}")
-    main_mode = "async" if "async" in results else next(iter(results))
-    around = [(b0["tokens_per_s"] + b1["tokens_per_s"]) / 2 for b0, b1 in zip(bares, bares[1:])]
-    ratios = [run[main_mode]["tokens_per_s"] / b for run, b in zip(rounds, around)]
-    if len(ratios) > 1:
-        print(f"{main_mode} by round (bare loop around it): " + ", ".join(
-            f"{run[main_mode]['tokens_per_s']:.0f} / {b:.0f} = {q:.2f}" for run, b, q in zip(rounds, around, ratios)))
-    print(f"rl_ratio={statistics.median(ratios):.2f}")
+        partial = results["partial"]["tokens_per_s"] / results["async"]["tokens_per_s"]
+        print(f"{config} partial_over_async={partial:.2f}")
 
 
 if __name__ == "__main__":

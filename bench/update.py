@@ -1,10 +1,10 @@
 """One trainer rank's policy update on its own, at `bench/rl_step.py`'s shapes: the demo-shaped model
 (4 layers, hidden 128), 8 groups of 8 samples, each group one 36-token prompt (laid out once per
 micro-batch, `--train.share_prefix`, as in the loop; `--no-share-prefix`: every sample whole) and 30-48
-sampled tokens, GRPO advantages of +-1 with one group at zero (run forward only). Eager layers against
-`--fsdp.compile`, each in a fresh process (an inductor cache from an earlier run makes its first step
-seconds instead of ~20 s), alternating --repeats times; medians of --updates timed updates after
-three untimed ones. `--profile` prints the eager update's op table instead (what the closing notes'
+sampled tokens, GRPO advantages of +-1 with one group at zero (run forward only). With the CPU accelerator
+(`--cpu.enable`), eager layers against `--fsdp.compile`, each in a fresh process (an inductor cache from an
+earlier run makes its first step seconds instead of ~20 s), alternating --repeats times; medians of --updates
+timed updates after three untimed ones. `--profile` prints the eager update's op table instead (what the closing notes'
 profiles are). The last line is `compile_ratio=<eager / compiled update time>`.
 
     OMP_NUM_THREADS=1 python bench/update.py [--threads 1] [--profile]
@@ -29,7 +29,7 @@ import torch
 
 def update_times(model_dir: str, compile: bool, threads: int, updates: int, profile: bool, share: bool,
                  ) -> list[float]:
-    from instar.config import ActorConfig, FSDPConfig, RLConfig, TrainConfig
+    from instar.config import ActorConfig, CpuConfig, FSDPConfig, RLConfig, TrainConfig
     from instar.contract import Sample
     from instar.runtime.batching import rl_loss
     from instar.train.batch import StepInputs
@@ -40,7 +40,8 @@ def update_times(model_dir: str, compile: bool, threads: int, updates: int, prof
     cfg = RLConfig()
     cfg.algo.advantage.estimator = "grpo"
     worker = TrainWorker(ActorConfig(model_name_or_path=model_dir, learning_rate=1e-4),
-                         FSDPConfig(compile=compile), TrainConfig(max_steps=1000, share_prefix=share))
+                         FSDPConfig(compile=compile), TrainConfig(max_steps=1000, share_prefix=share),
+                         cpu=CpuConfig(enable=True))  # the CPU configuration for speed, as bench/rl_step.py's
     worker.init(0, 1, "127.0.0.1", reserve_port())
     rng, samples, advantages = random.Random(0), [], []
     for i in range(64):

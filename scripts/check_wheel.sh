@@ -16,7 +16,8 @@ wheel=$(ls "$work"/dist/instar-*.whl)
 .venv/bin/python - "$wheel" <<'PYEOF'
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
-missing = [n for n in ("instar/py.typed", "instar/cli/main.py") if n not in names]
+missing = [n for n in ("instar/py.typed", "instar/cli/main.py", "instar/cpu/csrc/attention.c",
+                        "instar/cpu/csrc/decode.c") if n not in names]
 missing += [] if any(n.endswith("licenses/LICENSE") for n in names) else ["LICENSE"]
 assert not missing, f"the wheel lacks {missing}"
 PYEOF
@@ -51,6 +52,8 @@ class Math(Env):
 
 AgentRunner = StepEnvRunner(Math)
 PYEOF
+"$bin/instar" env | tee env.txt  # the CPU accelerator builds from the wheel's C sources
+grep -q "trainer attention (C kernel): built" env.txt || { echo "the wheel's C kernels did not build"; exit 1; }
 "$bin/instar" rl --actor.model_name_or_path model --data.prompt_dataset prompts.parquet \
     --data.input_key question --data.label_key answer --train.agent_path agent.py --train.max_steps 1 \
     --rollout.batch_size 2 --rollout.n_samples_per_prompt 2 --data.max_new_tokens 8 --data.max_len 128 \

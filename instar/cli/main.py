@@ -19,7 +19,7 @@ import yaml
 from jsonargparse import ArgumentParser, set_parsing_settings
 
 from instar.checks import check
-from instar.config import ALIASES, ConfigError, RLConfig, SFTConfig
+from instar.config import ALIASES, VALUE_ALIASES, ConfigError, RLConfig, SFTConfig
 from instar.data.records import HUB_NAME, source_kind
 from instar.data.tiny_model import TinySpec, build_tiny_model
 from instar.version import __version__
@@ -110,8 +110,9 @@ def rl(config: RLConfig | Sequence[str]) -> dict[str, float]:
     """`instar rl` from Python (a script or a notebook): an ``RLConfig``, or the command's flags as a list.
     Returns the last step's metrics."""
     cfg = _config("rl", config)
+    _check_inputs(cfg)  # first: the agent module may register an estimator that `check` then accepts
     check(cfg)
-    _check_inputs(cfg)
+    _announce(cfg)
     from instar.loop import run  # the loop pulls in Ray and torch.distributed; only load it to run
 
     return _outside_event_loop(run, cfg)
@@ -130,8 +131,16 @@ def sft(config: SFTConfig | Sequence[str]) -> dict[str, float]:
     from instar.train.sft import run_sft
 
     cfg = _config("sft", config)
+    _announce(cfg)
     prepare_run_dir(cfg.ckpt)
     return run_sft(cfg)
+
+
+def _announce(cfg: RLConfig | SFTConfig) -> None:
+    if cfg.cpu.enable:
+        print(f"instar: CPU accelerator on (--cpu.enable): C kernels, compiled engine layers, --cpu.matmul "
+              f"{cfg.cpu.matmul}, malloc tuning; each part that cannot build here says so and stays plain PyTorch",
+              flush=True)
 
 
 def _config(command: str, config: object) -> typing.Any:
@@ -156,6 +165,23 @@ def _run_eval(cfg: RLConfig) -> None:
     print(f"eval accuracy: {metrics['eval/accuracy']:g} (greedy {metrics['eval_greedy/accuracy']:g})")
 
 
+@dataclasses.dataclass
+class EnvArgs:
+    """`instar env`: versions, devices, threads, and which parts of the CPU accelerator build and run here."""
+
+
+def _run_env(args: EnvArgs) -> None:
+    import torch
+
+    from instar.cpu import describe
+    from instar.train.launch import cpu_threads
+
+    cuda = f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s)" if torch.cuda.is_available() else "no GPU"
+    print(f"instar {__version__}, torch {torch.__version__} ({cuda}), python {sys.version.split()[0]}, "
+          f"{cpu_threads(1)} cores available")
+    print("\n".join(describe()))
+
+
 def _run_tiny_model(args: TinyModelArgs) -> None:
     if not args.out:
         raise ConfigError("--out DIR is required: the directory to write the model into")
@@ -170,6 +196,7 @@ COMMANDS: dict[str, tuple[type, Callable]] = {
     "tiny-model": (TinyModelArgs, _run_tiny_model),
     "report": (ReportArgs, _run_report),
     "view": (ViewArgs, _run_view),
+    "env": (EnvArgs, _run_env),
 }
 
 
@@ -213,7 +240,12 @@ def _normalise(argv: list[str]) -> list[str]:
             continue
         if arg.startswith("--"):
             name, eq, value = arg[2:].partition("=")
-            arg = "--" + _alias(name.replace("-", "_")) + eq + value
+            name = _alias(name.replace("-", "_"))
+            if name in VALUE_ALIASES and eq:
+                name, value = _value_alias(name, value)
+            elif name in VALUE_ALIASES and i + 1 < len(argv):
+                name, argv[i + 1] = _value_alias(name, argv[i + 1])
+            arg = "--" + name + eq + value
             bare = not eq and (i + 1 == len(argv) or argv[i + 1].startswith("--"))
             if bare and name.replace("-", "_").split(".")[-1] in flags:
                 out += [arg, "true"]
@@ -229,6 +261,14 @@ def _alias(name: str) -> str:
     return name
 
 
+def _value_alias(name: str, value: str) -> tuple[str, str]:
+    """An earlier flag and its value as the flag that replaces it (`config.VALUE_ALIASES`)."""
+    new, values = VALUE_ALIASES[name]
+    if value not in values:
+        raise SystemExit(f"instar: --{name} takes one of {sorted(values)} (it is --{new} now), got {value!r}")
+    return new, str(values[value]).lower()
+
+
 def _recipe(path: str) -> str:
     """A YAML recipe's text with aliased keys renamed (jsonargparse reads YAML text as well as a path).
     An alias keeps its parent section, so each key is renamed in place."""
@@ -242,7 +282,19 @@ def _recipe(path: str) -> str:
             else:
                 out[_alias(path)[len(prefix):]] = rename(value, path + ".") if isinstance(value, dict) else value
         return out
-    return yaml.safe_dump(rename(yaml.safe_load(Path(path).read_text()) or {}, ""), sort_keys=False)
+    tree = yaml.safe_load(Path(path).read_text()) or {}
+    moved = [*VALUE_ALIASES, *(old for old, new in ALIASES.items() if not old.endswith(".") and
+                               old.split(".")[0] != new.split(".")[0])]
+    for old in moved:  # section.key into another section (a value alias's value mapped)
+        section, key = old.split(".")
+        if isinstance(tree.get(section), dict) and key in tree[section]:
+            value = tree[section].pop(key)
+            new = ALIASES.get(old, old)
+            if old in VALUE_ALIASES:
+                new, value = _value_alias(old, str(value).lower())
+                value = value == "true"
+            tree.setdefault(new.split(".")[0], {})[new.split(".")[1]] = value
+    return yaml.safe_dump(rename(tree, ""), sort_keys=False)
 
 
 def _bool_flags() -> set[str]:

@@ -1,22 +1,21 @@
-"""The embedded engine's dense decoder layers as ahead-of-time compiled kernels (`--engine.compile aot`).
+"""The embedded engine's dense decoder layers as ahead-of-time compiled kernels (part of `cpu.engine`).
 
-Why: at the embedded engine's sizes a decode step is dozens of small eager ops per layer, each paying
-the dispatcher and a pass over memory. Exported once per model shape and compiled by AOTInductor, the
-part of a layer before attention (norm, q/k/v projections, q/k norms, RoPE) and the part after it
-(output projection, residual, norm, SwiGLU MLP, residual) each become one call of fused C++ loops
-around the same matmuls, as do the final norm and the LM head. The token count is a dynamic dimension,
-so one build serves prefill and decode steps of any size; the weights are inputs, so weight updates and
-a drain's second model need no rebuild. A build takes ~20 s and a C++ compiler; it is cached on disk by
-shape, dtype, thread count, machine and torch version. Attention and the cache stay outside
-(`kv_model.attend`; decode rows through `decode_kernel`). The arithmetic is the eager layer's up to float
-rounding (fused loops sum in another order): not bit-identical to HF's forward.
+At the embedded engine's sizes a decode step is dozens of small eager ops per layer, each paying the dispatcher
+and a pass over memory. Exported once per model shape and compiled by AOTInductor, the part of a layer before
+attention (norm, q/k/v projections, q/k norms, RoPE) and the part after it (output projection, residual, norm,
+SwiGLU MLP, residual) each become one call of fused C++ loops around the same matmuls, as do the final norm and the
+LM head. The token count is a dynamic dimension, so one build serves prefill and decode steps of any size; the
+weights are inputs, so weight updates and a drain's second model need no rebuild. A build takes ~20 s and a C++
+compiler; it is cached on disk (`build.build_key`: this module's source, the compiler, the thread count, which
+is baked into the kernels' loops, the shapes). The arithmetic is the eager layer's up to float rounding (fused
+loops sum in another order).
 """
 
 from __future__ import annotations
 
-import hashlib
+import inspect
 import os
-import platform
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -27,10 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def cache_dir() -> Path:
-    """Where builds are kept: $INSTAR_CACHE/aot, by default ~/.cache/instar/aot."""
-    return Path(os.environ.get("INSTAR_CACHE") or Path.home() / ".cache" / "instar") / "aot"
+from instar.cpu.build import build_key, cache_dir, compiler_identity, load_or_build
 
 
 class _Before(nn.Module):
@@ -104,7 +100,6 @@ class AotLayers:
 
     def __init__(self, before: Any, after: Any, head: Any) -> None:
         self.before, self.after, self.final = before.loader, after.loader, head.loader
-        self.decode: Any = None  # the decode attention kernel built with them (`decode_kernel`), if any
         # each layer's weights, looked up once: a module's attribute lookups cost a few us each, ~25 a step.
         # Weight updates copy into the same tensors; a drained model is other layers (other keys).
         self._weights: WeakKeyDictionary[nn.Module, tuple[tuple, tuple]] = WeakKeyDictionary()
@@ -115,20 +110,20 @@ class AotLayers:
         return found
 
     @classmethod
-    def load_or_build(cls, layer: nn.Module, eps: float, head: tuple[torch.Tensor, torch.Tensor]) -> AotLayers:
+    def load_or_build(cls, layer: nn.Module, eps: float, head: tuple[torch.Tensor, torch.Tensor]) -> AotLayers | None:
         """Compile (or load the cached build of) the halves for layers shaped like ``layer``, and the final norm
-        and LM head for ``head``'s weights (norm, lm_head)."""
+        and LM head for ``head``'s weights (norm, lm_head); each checked against its eager module on random
+        inputs. None (one printed line) where a part cannot be built."""
         attn = layer.self_attn
         d, (width, hidden) = attn.head_dim, attn.q_proj.weight.shape
         heads, kv_heads = width // d, attn.k_proj.weight.shape[0] // d
         dtype = attn.q_proj.weight.dtype
-        # Built for this machine's CPU (-march=native) and thread count (baked into the kernels' loops).
-        key = hashlib.sha256(repr((torch.__version__, platform.node(), torch.get_num_threads(), heads, kv_heads, d,
-                                   hidden, layer.mlp.gate_proj.weight.shape[0], eps, str(dtype),
-                                   head[1].shape[0])).encode())
-        key = key.hexdigest()[:16]
+        cxx = torch._inductor.cpp_builder.get_cpp_compiler()
+        key = build_key(inspect.getsource(sys.modules[__name__]), cxx, compiler_identity(cxx), torch.get_num_threads(),
+                        heads, kv_heads, d, hidden, layer.mlp.gate_proj.weight.shape[0], eps, str(dtype),
+                        head[1].shape[0])
         tokens = torch.export.Dim("tokens", min=2, max=1 << 20)  # exporting specialises sizes 0 and 1
-        rows = lambda *widths: [torch.zeros(4, *w, dtype=dtype) for w in widths]  # noqa: E731
+        rows = lambda *widths: [torch.randn(5, *w, dtype=dtype) for w in widths]  # noqa: E731
         act, weight = {0: tokens}, None  # the activations' first dimension varies, the weights' shapes do not
         parts = {"before": (_Before(heads, kv_heads, d, eps),
                             (*rows((hidden,)), *_before_weights(layer), *rows((1, d), (1, d))),
@@ -138,20 +133,14 @@ class AotLayers:
                  "head": (_Head(eps), (*rows((hidden,)), *head), [act, weight, weight])}
         loaded = []
         for name, (module, example, dynamic) in parts.items():
-            path = cache_dir() / f"{key}-{name}.pt2"
-            if not path.exists():
-                path.parent.mkdir(parents=True, exist_ok=True)
-                example = tuple(t.detach() for t in example)
-                with warnings.catch_warnings(), tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                    warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecation notices, from inside
-                    try:
-                        program = torch.export.export(module, example, dynamic_shapes=dynamic)
-                        built = torch._inductor.aoti_compile_and_package(program, package_path=f"{tmp}/{name}.pt2")
-                    except Exception as error:  # most often: no C++ compiler or Python headers
-                        raise RuntimeError(f"--engine.compile aot could not build its kernels ({type(error).__name__}: "
-                                           f"{str(error)[:300]}); use --engine.compile none") from error
-                    os.replace(built, path)  # atomic: engines may build at once
-            loaded.append(torch._inductor.aoti_load_package(str(path)))
+            example = tuple(t.detach() for t in example)
+            package = load_or_build(f"the engine's compiled layers ({name})", cache_dir() / f"{key}-{name}.pt2",
+                                    lambda path, m=module, e=example, s=dynamic: _build(m, e, s, path),
+                                    lambda path: torch._inductor.aoti_load_package(str(path)),
+                                    lambda package, m=module, e=example: _check(package, m, e))
+            if package is None:
+                return None
+            loaded.append(package)
         return cls(*loaded)
 
     def before_attention(self, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
@@ -177,3 +166,19 @@ class AotLayers:
 
 def _twice(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t, t])
+
+
+def _build(module: nn.Module, example: tuple[torch.Tensor, ...], dynamic: list, path: Path) -> None:
+    with warnings.catch_warnings(), tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecation notices, from inside
+        program = torch.export.export(module, example, dynamic_shapes=dynamic)
+        built = torch._inductor.aoti_compile_and_package(program, package_path=f"{tmp}/{path.name}")
+        os.replace(built, path)  # atomic: engines may build at once
+
+
+def _check(package: Any, module: nn.Module, example: tuple[torch.Tensor, ...]) -> None:
+    """The compiled part against its eager module on ``example`` (random activations; raises on a mismatch)."""
+    with torch.inference_mode():
+        want, got = module(*example), package.loader.boxed_run(list(example))
+        for g, w in zip(got, want if isinstance(want, tuple) else (want,), strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)

@@ -1,227 +1,25 @@
-"""The embedded engine's decode attention as a small C kernel (with `--engine.compile aot`).
+"""The embedded engine's decode attention and sampling as C kernels (csrc/decode.c), for `cpu.engine`.
 
-Why: in a decode step each row's query heads attend over that row's cached keys, a few query heads per
-key/value head. PyTorch runs it as two batched matmuls of 2 x span products (`kv_model._decode_attention`),
-where the BLAS's cost per tiny matrix dominates. The kernel reads each row's keys and values where they lie
-in the cache (no gather, no mask: it stops at the row's length), one row and key/value head per task, over the
-torch threads. A row's keys and values come from beyond the core's L2 cache (a step's are several MB), and
-summing one key's product across its vector lanes takes ~30 instructions, so scores are computed 16 keys at
-a time and summed across lanes together (`sum16`); the values' weighted sums keep two chains. At the
-`bench/rl_step.py` shapes (64 rows, 4 query heads over 2 key/value heads of 32, 48-83 cached keys, 35 of
-them a shared prompt) ~180 -> ~110 us a layer, decode attention about a quarter of an engine step before.
-
-Built once per machine by the C compiler that `--engine.compile aot` already needs, and cached beside its
-builds. It is compiled with -ffast-math (a vectorised exp, reassociated sums) but linked without it, so that
-loading it does not set the process's floats to flush denormals to zero. Float32, head widths 32, 64 and 128;
-anything else (or no compiler) keeps the matmuls.
-
-The same library samples a step's rows at temperature 1 with no filter (`DecodeKernel.sample`, for
-`sampling.sample`): log-softmax, probabilities and the inverse-CDF search in one call, where torch's path is
-~8 small ops, each slow as the first of its kind in a step (~235 -> ~110 us a step at the demo's size).
+In a decode step each row's query heads attend over that row's cached keys; PyTorch runs it as two batched
+matmuls of tiny products (`kv_model._decode_attention`), where the BLAS's cost per matrix dominates: the kernel
+reads each row's keys where they lie in the cache (~180 -> ~110 us a layer at the demo's shapes). Sampling rows at
+temperature 1 with no filter is ~8 small torch ops, each slow as the first of its kind in a step; the kernel does
+it in one call (~235 -> ~110 us a step at the demo's size). Compiled with -ffast-math, linked without it, so
+loading it does not set the process's floats to flush denormals to zero.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from instar.engines.aot import cache_dir
+from instar.contract import SamplingParams
+from instar.cpu.build import checked, native, pointers
+from instar.engines import kv_model
+from instar.engines.sampling import sample
 
 WIDTHS = (32, 64, 128)
-
-_SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-typedef float v16 __attribute__((vector_size(64)));
-
-#if defined(__clang__) || __GNUC__ >= 12
-#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-typedef int32_t i16 __attribute__((vector_size(64)));
-#define SHUF(a, b, ...) __builtin_shuffle(a, b, (i16){__VA_ARGS__})
-#endif
-
-/* The sums of 16 vectors' lanes as one vector (lane i: the sum of p[i]), in 15 steps that each halve the
-   partial sums of twice as many vectors (two lane shuffles and an add): summed one vector at a time, each
-   would take ~30 scalar instructions. */
-static inline v16 sum16(v16 *p) {
-    v16 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++)
-        a[i] = SHUF(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-             + SHUF(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    for (int i = 0; i < 4; i++)
-        b[i] = SHUF(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
-             + SHUF(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    for (int i = 0; i < 2; i++)
-        c[i] = SHUF(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
-             + SHUF(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    return SHUF(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
-         + SHUF(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
-/* Scores of the query q (D wide, scaled) against keys from..to-1 (rows of K, D apart) into S, 16 keys a block
-   (`sum16`), and the values' sums weighted by S into two sets of sums (even, odd keys: each addition waits on
-   the one two keys back, not one). */
-#define KEYS(D)                                                                                              \
-static void scores_##D(const v16 *q, const float *K, int64_t from, int64_t to, float *restrict S) {          \
-    enum { W = D / 16 };                                                                                     \
-    v16 part[16], x;                                                                                         \
-    int64_t j = from;                                                                                        \
-    for (; j + 16 <= to; j += 16) {                                                                          \
-        for (int i = 0; i < 16; i++) {                                                                       \
-            memcpy(&x, K + (j + i) * D, 64); part[i] = q[0] * x;                                             \
-            for (int w = 1; w < W; w++) { memcpy(&x, K + (j + i) * D + 16 * w, 64); part[i] += q[w] * x; }   \
-        }                                                                                                    \
-        v16 s = sum16(part); memcpy(S + j, &s, 64);                                                          \
-    }                                                                                                        \
-    if (j < to) {                                                                                            \
-        for (int i = 0; i < 16; i++) {                                                                       \
-            part[i] = q[0] * 0.f;                                                                            \
-            if (j + i < to)                                                                                  \
-                for (int w = 0; w < W; w++) { memcpy(&x, K + (j + i) * D + 16 * w, 64); part[i] += q[w] * x; } \
-        }                                                                                                    \
-        v16 s = sum16(part); for (int i = 0; i < to - j; i++) S[j + i] = s[i];                               \
-    }                                                                                                        \
-}                                                                                                            \
-static void values_##D(const float *S, const float *V, int64_t from, int64_t to, v16 *even_sums, v16 *odd_sums) { \
-    enum { W = D / 16 };                                                                                     \
-    v16 x, y, even[W], odd[W];                                                                               \
-    for (int w = 0; w < W; w++) { even[w] = even_sums[w]; odd[w] = odd_sums[w]; }                            \
-    int64_t j = from;                                                                                        \
-    if (j < to && j % 2)  /* key j goes to the sums of its parity wherever a range starts: the same sums */  \
-        for (int w = 0; w < W; w++) { memcpy(&x, V + j * D + 16 * w, 64); odd[w] += S[j] * x; }              \
-    for (j += j % 2; j + 1 < to; j += 2)                                                                     \
-        for (int w = 0; w < W; w++) {                                                                        \
-            memcpy(&x, V + j * D + 16 * w, 64); memcpy(&y, V + (j + 1) * D + 16 * w, 64);                    \
-            even[w] += S[j] * x; odd[w] += S[j + 1] * y;                                                     \
-        }                                                                                                    \
-    if (j < to)                                                                                              \
-        for (int w = 0; w < W; w++) { memcpy(&x, V + j * D + 16 * w, 64); even[w] += S[j] * x; }             \
-    for (int w = 0; w < W; w++) { even_sums[w] = even[w]; odd_sums[w] = odd[w]; }                            \
-}
-
-/* One row and key/value head: its query heads (`group` of them, D wide) over its n cached keys, the first p of
-   them read from another slot that holds the same ones (Ks, Vs: a group's shared prompt, read there by every
-   row of the group in turn, so that it comes from memory once and from the core's cache after). */
-#define HEAD(D)                                                                                              \
-KEYS(D)                                                                                                      \
-static void head_##D(const float *Q, const float *Ks, const float *Vs, int64_t p, const float *K, const float *V, \
-                     float *restrict S, float *restrict O, int64_t n, int64_t group, float scale) {          \
-    enum { W = D / 16 };                                                                                     \
-    for (int64_t g = 0; g < group; g++) {                                                                    \
-        v16 q[W], even[W], odd[W]; float m = -3.0e38f, sum = 0.f;                                            \
-        for (int w = 0; w < W; w++) {                                                                        \
-            memcpy(&q[w], Q + g * D + 16 * w, 64); q[w] *= scale; even[w] = odd[w] = q[w] * 0.f;             \
-        }                                                                                                    \
-        scores_##D(q, Ks, 0, p, S);                                                                          \
-        scores_##D(q, K, p, n, S);                                                                           \
-        for (int64_t j = 0; j < n; j++) m = fmaxf(m, S[j]);                                                  \
-        _Pragma("omp simd reduction(+:sum)")                                                                 \
-        for (int64_t j = 0; j < n; j++) { S[j] = expf(fmaxf(S[j] - m, -80.f)); sum += S[j]; }                \
-        values_##D(S, Vs, 0, p, even, odd);                                                                  \
-        values_##D(S, V, p, n, even, odd);                                                                   \
-        for (int w = 0; w < W; w++) { v16 x = (even[w] + odd[w]) / sum; memcpy(O + g * D + 16 * w, &x, 64); } \
-    }                                                                                                        \
-}
-HEAD(32)
-HEAD(64)
-HEAD(128)
-
-/* q, out (rows, heads, d); caches (n_slots, kv_heads, capacity, d); row r reads slot slots[r], lengths[r] keys,
-   the first shared[r] of them from slot sources[r] (sources NULL: none); k_new, v_new (rows, kv_heads, d) or
-   NULL: the rows' new keys and values, written at position lengths[r] - 1 first; scratch: rows * kv_heads *
-   span floats. Returns -1 (and computes nothing) where a row would read or write outside the cache or the
-   scratch. */
-int decode_attention(const float *q, const float *k_new, const float *v_new, float *kc, float *vc,
-                     const int64_t *slots, const int64_t *lengths, const int64_t *sources, const int64_t *shared,
-                     float *out, float *scratch, int64_t rows, int64_t heads, int64_t kv_heads, int64_t n_slots,
-                     int64_t capacity, int64_t d, int64_t span, float scale, int threads) {
-    for (int64_t r = 0; r < rows; r++)
-        if (slots[r] < 0 || slots[r] >= n_slots || lengths[r] < 1 || lengths[r] > span || span > capacity ||
-            (sources && (sources[r] < 0 || sources[r] >= n_slots || shared[r] < 0 || shared[r] >= lengths[r])))
-            return -1;
-    const int64_t group = heads / kv_heads;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < rows * kv_heads; t++) {
-        const int64_t r = t / kv_heads, head = (t % kv_heads) * capacity * d;
-        const int64_t at = slots[r] * kv_heads * capacity * d + head;
-        const int64_t from = sources ? sources[r] * kv_heads * capacity * d + head : at, p = sources ? shared[r] : 0;
-        const float *Q = q + (r * heads + (t % kv_heads) * group) * d;
-        float *O = out + (r * heads + (t % kv_heads) * group) * d, *S = scratch + t * span;
-        if (k_new) {
-            for (int64_t i = 0; i < d; i += 16) {  /* d is a multiple of 16: no call of memcpy's own */
-                memcpy(kc + at + (lengths[r] - 1) * d + i, k_new + t * d + i, 64);
-                memcpy(vc + at + (lengths[r] - 1) * d + i, v_new + t * d + i, 64);
-            }
-        }
-        if (d == 32) head_32(Q, kc + from, vc + from, p, kc + at, vc + at, S, O, lengths[r], group, scale);
-        else if (d == 64) head_64(Q, kc + from, vc + from, p, kc + at, vc + at, S, O, lengths[r], group, scale);
-        else head_128(Q, kc + from, vc + from, p, kc + at, vc + at, S, O, lengths[r], group, scale);
-    }
-    return 0;
-}
-
-/* `sampling.sample` for rows at temperature 1 with no filter: per row of logits (V), the log-softmax (max, then
-   the log of the sum of exp(x - max)), its probabilities (into p, scratch of V), and the first token at which
-   their running sum exceeds u times their total; where rounding leaves the target past the sum, the last token
-   with probability, as sample's guard does. */
-void sample_rows(const float *logits, const float *u, int64_t rows, int64_t V, float *p, int64_t *tokens,
-                 float *logprobs) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *x = logits + r * V;
-        float m = -INFINITY, s = 0.f, total = 0.f, c = 0.f;
-        for (int64_t j = 0; j < V; j++) m = fmaxf(m, x[j]);
-        for (int64_t j = 0; j < V; j++) s += expf(x[j] - m);
-        const float log_s = logf(s);
-        for (int64_t j = 0; j < V; j++) { p[j] = expf((x[j] - m) - log_s); total += p[j]; }
-        const float target = u[r] * total;
-        int64_t token = 0;
-        for (; token < V; token++) if ((c += p[token]) > target) break;
-        if (token == V) for (token = V - 1; token > 0 && p[token] == 0.f; token--) {}
-        tokens[r] = token;
-        logprobs[r] = (x[token] - m) - log_s;
-    }
-}
-"""
-
-
-def native_library(source: str, name: str, what: str) -> ctypes.PyDLL | None:
-    """C ``source`` built for this machine and loaded (cached in `aot.cache_dir` by source, compiler and machine),
-    or None, with a message saying that ``what`` keeps its torch path, where it cannot be built. Compiled with
-    fast math, linked without it (see the module's doc). PyDLL: a call keeps the GIL, as a torch op does;
-    released, a thread (the engine's) would wait to get it back from another (the event loop's), up to its
-    5 ms switch interval."""
-    cc = os.environ.get("CC", "cc")
-    flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
-    if platform.machine() in ("x86_64", "AMD64"):  # without it GCC vectorises the exp loops 8 lanes wide on AVX-512
-        flags.append("-mprefer-vector-width=512")
-    key = hashlib.sha256(repr((source, cc, flags, platform.node(), platform.machine())).encode()).hexdigest()[:16]
-    path = cache_dir() / f"{key}-{name}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            src, obj, lib = (f"{tmp}/{name}.{ext}" for ext in ("c", "o", "so"))
-            Path(src).write_text(source)
-            try:
-                subprocess.run([cc, "-c", *flags, src, "-o", obj], check=True, capture_output=True)
-                subprocess.run([cc, "-shared", "-fopenmp", obj, "-o", lib, "-lmvec", "-lm"], check=True,
-                               capture_output=True)
-            except (OSError, subprocess.CalledProcessError) as error:
-                detail = getattr(error, "stderr", b"") or str(error).encode()
-                print(f"instar: {what} stays on torch's ops: its kernel did not build "
-                      f"({detail.decode(errors='replace').strip()[:200]})")
-                return None
-            os.replace(lib, path)  # atomic: processes may build at once
-    return ctypes.PyDLL(str(path))
 
 
 class DecodeKernel:
@@ -232,29 +30,29 @@ class DecodeKernel:
         self._fn.restype = ctypes.c_int
         self._sample = library.sample_rows
         self._sample.argtypes = [p, p, i, i, p, p, p]
-        self._sample.restype = None
+        self._sample.restype = ctypes.c_int
 
     @classmethod
     def load_or_build(cls) -> DecodeKernel | None:
-        """The kernel built for this machine (cached), or None where it cannot be built."""
-        library = native_library(_SOURCE, "decode", "the engine's decode attention")
+        """The kernels built for this machine (cached) and self-checked, or None where they cannot be."""
+        library = native("decode", "the engine's decode attention and sampling", lambda lib: cls(lib).self_check())
         return None if library is None else cls(library)
 
     def sample(self, logits: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens (rows,) and their logprobs from float32 ``logits`` (rows, V) at temperature 1, unfiltered, with the
         uniform draws ``u`` (rows,): what `sampling.sample` computes from the same draws (up to float rounding of
-        the log-softmax and running sums: a draw within a rounding error of a boundary may land on its neighbour)."""
+        the log-softmax and running sums: a draw within a rounding error of a boundary may land on its neighbour).
+        A row with a NaN or +inf logit, or only -inf ones, gets token 0 and a NaN logprob, as there."""
         logits, u = logits.contiguous(), u.contiguous()
         rows, vocab = logits.shape
         tokens, logprobs, scratch = torch.empty(rows, dtype=torch.int64), torch.empty(rows), torch.empty(vocab)
-        self._sample(logits.data_ptr(), u.data_ptr(), rows, vocab, scratch.data_ptr(), tokens.data_ptr(),
-                     logprobs.data_ptr())
+        checked(self._sample(*pointers(logits, u), rows, vocab, *pointers(scratch, tokens, logprobs)), "sampling")
         return tokens, logprobs
 
     @staticmethod
     def takes(q: torch.Tensor, cache: torch.Tensor) -> bool:
-        """Whether the kernel computes this query over this cache (float32, a width it was built for)."""
-        return q.dtype == cache.dtype == torch.float32 and q.shape[-1] in WIDTHS
+        """Whether the kernel computes this query over this cache (float32 on the CPU, a width it was built for)."""
+        return q.dtype == cache.dtype == torch.float32 and q.device.type == "cpu" and q.shape[-1] in WIDTHS
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                  lengths: torch.Tensor, span: int, scale: float, new: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -275,8 +73,29 @@ class DecodeKernel:
                              f"{tuple(q.shape)} and new keys {[None if t is None else tuple(t.shape) for t in new]}")
         out, scratch = torch.empty_like(q), torch.empty(rows * kv_heads * span)
         tensors = (q, *new, k_cache, v_cache, slots, lengths, *(shared or (None, None)), out, scratch)
-        pointers = [None if t is None else t.data_ptr() for t in tensors]
-        if self._fn(*pointers, rows, heads, kv_heads, n_slots, capacity, d, span, scale, torch.get_num_threads()):
+        if self._fn(*pointers(*tensors), rows, heads, kv_heads, n_slots, capacity, d, span, scale,
+                    torch.get_num_threads()):
             raise ValueError(f"decode attention over up to {int(lengths.max())} keys (span {span}) of slots up to "
                              f"{int(slots.max())} would read past the cache {tuple(k_cache.shape)}")
         return out
+
+    def self_check(self) -> None:
+        """Both kernels against torch's paths on random inputs (raises on a mismatch)."""
+        g = torch.Generator().manual_seed(0)
+        for d in WIDTHS:
+            k_cache, v_cache = (torch.randn(6, 2, 40, d, generator=g) for _ in range(2))
+            slots, lengths, q = torch.tensor([5, 0, 3]), torch.tensor([1, 40, 17]), torch.randn(3, 4, d, generator=g)
+            bias = torch.zeros(3, 4, 40).masked_fill_(torch.arange(40) >= lengths[:, None, None], float("-inf"))
+            want = kv_model._decode_attention(q, k_cache[slots], v_cache[slots], bias, d ** -0.5)
+            torch.testing.assert_close(self(q, k_cache, v_cache, slots, lengths, 40, d ** -0.5), want, rtol=1e-5,
+                                       atol=1e-5)
+        logits = torch.randn(16, 300, generator=g) * 3
+        logits[3, 5] = float("nan")
+        with torch.random.fork_rng(devices=[]):  # the process's own draws stay as they were
+            torch.manual_seed(0)
+            want_tokens, want_logprobs = sample(logits, [SamplingParams()] * 16, [None] * 16)
+            torch.manual_seed(0)
+            tokens, logprobs = self.sample(logits, torch.rand(16))
+        torch.testing.assert_close(logprobs, want_logprobs, rtol=1e-4, atol=1e-4, equal_nan=True)
+        if (tokens != want_tokens).sum() > 1:  # a draw within rounding of a boundary may land on its neighbour
+            raise AssertionError(f"sampling kernel: tokens {tokens.tolist()} against torch's {want_tokens.tolist()}")

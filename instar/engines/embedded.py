@@ -38,7 +38,6 @@ from instar.config import EngineConfig
 from instar.contract import Generation, ImageInputs, SamplingParams
 from instar.engines.kv_model import (
     SlotCache,
-    aot_layers,
     check_supported,
     decoder,
     forward,
@@ -48,7 +47,7 @@ from instar.engines.kv_model import (
     text_config,
 )
 from instar.engines.prefix_cache import CachedPrefix, PrefixCache, common_prefix_len
-from instar.engines.protocol import EngineLoad, PauseMode, Sampled, check_prompt
+from instar.engines.protocol import EngineLoad, PauseMode, Sampled, StepAccelerator, check_prompt
 from instar.engines.request import Request, attach_images, image_features, shared_prompts
 from instar.engines.sampling import sample
 
@@ -56,7 +55,9 @@ from instar.engines.sampling import sample
 class EmbeddedEngine:
     """Implements `instar.engines.protocol.Engine` for Qwen3 / Qwen3-MoE models in this process."""
 
-    def __init__(self, model: nn.Module, cfg: EngineConfig | None = None, version: int = 0):
+    def __init__(self, model: nn.Module, cfg: EngineConfig | None = None, version: int = 0,
+                 accelerator: StepAccelerator | None = None):
+        """``accelerator``: computes what it takes of each step instead of plain PyTorch (--cpu.enable)."""
         check_supported(model)
         self.model = model.eval()
         self.cfg = cfg or EngineConfig()
@@ -67,7 +68,7 @@ class EmbeddedEngine:
         self.max_model_len = text_config(model).max_position_embeddings
         self._vision = hasattr(model.model, "visual")
         self._cache = SlotCache(model)
-        self._aot = aot_layers(model) if self.cfg.compile == "aot" else None
+        self.accelerator = accelerator
         self._holes = False  # a request left its slot since the last `_compact`
         self._queue: deque[Request] = deque()
         self._running: list[Request] = []
@@ -87,15 +88,17 @@ class EmbeddedEngine:
         session's cached prefix (not recomputed), and tokens sampled."""
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, cfg: EngineConfig | None = None, version: int = 0) -> EmbeddedEngine:
-        """Load an HF checkpoint directory (Qwen3, Qwen3-MoE or Qwen3-VL) in ``cfg.dtype``."""
+    def from_pretrained(cls, path: str | Path, cfg: EngineConfig | None = None, version: int = 0,
+                        accelerate: Callable[[nn.Module], StepAccelerator | None] | None = None) -> EmbeddedEngine:
+        """Load an HF checkpoint directory (Qwen3, Qwen3-MoE or Qwen3-VL) in ``cfg.dtype``; ``accelerate(model)``
+        gives the engine's accelerator, if any."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         cfg = cfg or EngineConfig()
         vlm = getattr(AutoConfig.from_pretrained(str(path)), "vision_config", None) is not None
         auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
         model = auto.from_pretrained(str(path), dtype=getattr(torch, cfg.dtype))
-        return cls(model, cfg, version)
+        return cls(model, cfg, version, accelerate(model) if accelerate is not None else None)
 
     @property
     def version(self) -> int:
@@ -319,11 +322,11 @@ class EmbeddedEngine:
             images = [image_features(model, r) for r in group]
         batch = make_batch(self._cache, new, [r.slot for r in group], [r.cached for r in group], rope, images,
                            shared_prompts(group))
-        logits, routed = forward(model, self._cache, batch, self._aot)
+        logits, routed = forward(model, self._cache, batch, self.accelerator)
         offset = 0
         for request, ids in zip(group, new):
             if routed is not None:
-                self._record_routing(request, routed[offset: offset + len(ids)])
+                request.record_routing(routed[offset: offset + len(ids)])
             offset += len(ids)
             request.cached = len(request.ids)
         live = [row for row, r in enumerate(group) if r.finish_reason is None]
@@ -335,7 +338,7 @@ class EmbeddedEngine:
         requests = [group[row] for row in live]
         tokens, logprobs = sample(logits[live] if len(live) < len(group) else logits,
                                   [r.params for r in requests], [r.generator for r in requests],
-                                  self.cfg.logprobs_mode, self._aot and self._aot.decode)
+                                  self.cfg.logprobs_mode, self.accelerator)
         self.stats["sampled_tokens"] += len(requests)
         for request, token, logprob in zip(requests, tokens.tolist(), logprobs.tolist()):
             request.ids.append(token)
@@ -350,13 +353,6 @@ class EmbeddedEngine:
             if request.finish_reason is not None and self._routing_shape is None:
                 self._finish(request, request.finish_reason)
 
-    def _record_routing(self, request: Request, rows: torch.Tensor) -> None:
-        """Keep the routing of fed positions that hold sampled tokens (re-fed ones are overwritten)."""
-        start = max(request.cached, request.prompt_len)
-        first = start - request.prompt_len
-        sampled_rows = rows[start - request.cached:]
-        request.routed[first: first + len(sampled_rows)] = list(sampled_rows.unbind(0))
-
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
         if request.slot >= 0:
@@ -367,19 +363,9 @@ class EmbeddedEngine:
         elif request in self._queue:
             self._queue.remove(request)
         if not request.future.done():
-            request.future.set_result(self._generation(request))
+            request.future.set_result(request.generation(self._routing_shape))
         if request.progress is not None:
             request.progress.set()
-
-    def _generation(self, request: Request) -> Generation:
-        routed = None
-        if self._routing_shape is not None:
-            # -1 marks a sampled token that was never fed through the model (only after an abort).
-            routed = torch.full((request.num_sampled, *self._routing_shape), -1, dtype=torch.int64)
-            if request.routed:
-                routed[: len(request.routed)] = torch.stack(request.routed)
-        return Generation(token_ids=request.ids[request.prompt_len:], logprobs=request.logprobs,
-                          versions=request.versions, finish_reason=request.finish_reason, routed_experts=routed)
 
     @torch.inference_mode()
     def _save_prefix(self, request: Request) -> None:

@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from instar.engines.aot import AotLayers, compilable
-from instar.engines.decode_kernel import DecodeKernel
+from instar.engines.protocol import StepAccelerator
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl")
 
@@ -51,22 +50,6 @@ def check_supported(model: nn.Module) -> None:
     if any(getattr(layer.self_attn, "sliding_window", None) for layer in decoder(model).layers):
         raise ValueError("the embedded engine has no sliding-window attention; set use_sliding_window "
                          "false in the model config or use --rollout.engine vllm")
-
-
-def aot_layers(model: nn.Module) -> AotLayers | None:
-    """The compiled halves of ``model``'s dense layers (`--engine.compile aot`); None without dense layers."""
-    dense = [layer for layer in decoder(model).layers if not is_moe(layer)]
-    if not dense:
-        return None
-    if decoder(model).embed_tokens.weight.dtype != torch.float32 or not all(map(compilable, dense)):
-        raise ValueError("--engine.compile aot runs float32 dense layers without projection biases and with a "
-                         "SiLU MLP; use --engine.compile none for this model")
-    if getattr(model.lm_head, "bias", None) is not None:
-        raise ValueError("--engine.compile aot runs an LM head without a bias; use --engine.compile none here")
-    layers = AotLayers.load_or_build(dense[0], text_config(model).rms_norm_eps,
-                                     (decoder(model).norm.weight, model.lm_head.weight))
-    layers.decode = DecodeKernel.load_or_build()
-    return layers
 
 
 _MOE: WeakKeyDictionary[nn.Module, bool] = WeakKeyDictionary()
@@ -172,7 +155,7 @@ class Batch:
 
     def write_rows(self, cache: SlotCache) -> torch.Tensor:
         """(N * kv_heads,) rows of the flattened cache that receive the new keys, computed at the first layer
-        that writes them through torch (a decode step through `DecodeKernel` never does)."""
+        that writes them through torch (a decode step through an accelerator's kernel never does)."""
         if self._rows is None:
             _, kv_heads, capacity, _ = cache.shape
             rows = (self.slots[:, None] * kv_heads + torch.arange(kv_heads)) * capacity + self.positions[:, None]
@@ -188,7 +171,8 @@ def make_batch(cache: SlotCache, new_ids: list[list[int]], slots: list[int], pas
     separate groups, so a decode row is never padded to a prompt's length. A vision-language model's
     rows also give their rotary positions ``rope`` (3, new tokens) and, where new tokens are image
     tokens, ``images``: their indices in the row and their features (1 + levels, tokens, hidden). In a decode
-    step, ``shared`` gives each row a slot that holds its first keys too and how many (`DecodeKernel`)."""
+    step, ``shared`` gives each row a slot that holds its first keys too and how many (for an accelerator's
+    decode kernel)."""
     sizes = [len(ids) for ids in new_ids]
     rows = len(sizes)
     decode = max(sizes) == 1  # a pure decode step: packed token b is row b's, at position past[b]
@@ -266,12 +250,12 @@ def attention(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 
 
 def attend(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: SlotCache, layer: int,
-           batch: Batch, kernel: DecodeKernel | None = None) -> torch.Tensor:
+           batch: Batch, accelerator: StepAccelerator | None = None) -> torch.Tensor:
     """Write the new keys/values ``k, v`` (N, kv_heads, d) into the cache and attend with ``q`` (N, heads, d)
-    (rotated); returns (N, heads * d), before the output projection. Decode rows through ``kernel`` when
+    (rotated); returns (N, heads * d), before the output projection. Decode rows through ``accelerator`` when
     given and it takes them."""
     tokens, head_dim = q.shape[0], cache.shape[3]
-    kernel = kernel if kernel is not None and kernel.takes(q, cache.k[layer]) else None
+    kernel = accelerator.decode if accelerator is not None and accelerator.takes_decode(q, cache.k[layer]) else None
     if kernel is not None and (group := batch.groups[0]).grid is None:  # a pure decode step
         return kernel(q, cache.k[layer], cache.v[layer], group.slots, group.lengths, group.span,
                       attn.scaling, (k, v), group.shared).reshape(tokens, -1)  # it writes the new keys too
@@ -346,10 +330,11 @@ def _rotary_table(emb: nn.Module, h: torch.Tensor, cache: SlotCache) -> tuple[to
 
 @torch.inference_mode()
 def forward(model: nn.Module, cache: SlotCache, batch: Batch,
-            aot: AotLayers | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run a batch's new tokens through ``model``, writing their keys and values into ``cache``; dense
-    layers through ``aot``'s compiled halves when given. Returns the logits after each row's last token
-    (B, vocab) and, for MoE models, the routed expert ids of every new token (N, moe_layers, top_k), int64."""
+            accelerator: StepAccelerator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run a batch's new tokens through ``model``, writing their keys and values into ``cache``; the layers that
+    ``accelerator`` takes, and its part of attention and the head, through it. Returns the logits after each row's
+    last token (B, vocab) and, for MoE models, the routed expert ids of every new token (N, moe_layers, top_k),
+    int64."""
     inner = decoder(model)
     h = inner.embed_tokens(batch.tokens)
     if batch.visual is not None:  # image tokens: the vision tower's merged patches instead of the embedding
@@ -361,9 +346,9 @@ def forward(model: nn.Module, cache: SlotCache, batch: Batch,
         cos, sin = (t[:, None] for t in _rotary(inner.rotary_emb, h, positions))
     routed = []
     for i, layer in enumerate(inner.layers):
-        if aot is not None and not is_moe(layer):
-            q, k, v = aot.before_attention(layer, h, cos, sin)
-            h = aot.after_attention(layer, h, attend(layer.self_attn, q, k, v, cache, i, batch, aot.decode))
+        if accelerator is not None and accelerator.takes_layer(layer):
+            q, k, v = accelerator.before_attention(layer, h, cos, sin)
+            h = accelerator.after_attention(layer, h, attend(layer.self_attn, q, k, v, cache, i, batch, accelerator))
         else:
             h = h + attention(layer.self_attn, _norm(layer.input_layernorm, h), cos, sin, cache, i, batch)
             x = _norm(layer.post_attention_layernorm, h)
@@ -376,8 +361,8 @@ def forward(model: nn.Module, cache: SlotCache, batch: Batch,
         if batch.visual is not None and i + 1 < len(batch.features):  # deepstack: vision features added early
             h[batch.visual] += batch.features[i + 1].to(h.dtype)
     h = h if batch.last is None else h[batch.last]
-    logits = (aot.logits(h, inner.norm.weight, model.lm_head.weight) if aot is not None
-              else _linear(model.lm_head, _norm(inner.norm, h)))
+    logits = None if accelerator is None else accelerator.logits(h, inner.norm.weight, model.lm_head.weight)
+    logits = _linear(model.lm_head, _norm(inner.norm, h)) if logits is None else logits
     return logits, torch.stack(routed, dim=1) if routed else None
 
 

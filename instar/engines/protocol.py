@@ -112,3 +112,36 @@ class Engine(Sampler, Protocol):
 
     async def close(self) -> None:
         """Abort every request and free the engine; it takes no new requests."""
+
+
+class StepAccelerator(Protocol):
+    """What an optional accelerator computes of the embedded engine's step in place of its plain PyTorch path
+    (`kv_model.forward`, `sampling.sample`): the CPU accelerator's (instar/cpu, --cpu.enable) is the one there is.
+    The engine holds one or none; each method computes what the torch path computes, up to float rounding."""
+
+    def takes_layer(self, layer: torch.nn.Module) -> bool:
+        """Whether it computes this decoder layer around attention (`before_attention`, `after_attention`)."""
+
+    def before_attention(self, layer: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q (N, heads, d), rotated k and v (N, kv_heads, d) of the packed hidden states ``h``."""
+
+    def after_attention(self, layer: torch.nn.Module, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its input ``h`` and attention's output ``o`` (N, heads * d)."""
+
+    def logits(self, h: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor | None:
+        """The final norm and LM head of the rows ``h`` (B, hidden), or None to leave them to torch."""
+
+    def takes_decode(self, q: torch.Tensor, cache: torch.Tensor) -> bool:
+        """Whether `decode` computes the attention of these single-token rows over this cache."""
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+               lengths: torch.Tensor, span: int, scale: float, new: tuple[torch.Tensor, torch.Tensor] | None = None,
+               shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Attention of ``q (rows, heads, d)``, row r over the first ``lengths[r]`` keys of cache slot ``slots[r]``;
+        ``new``: the rows' keys and values of this step, written at each row's last position first; ``shared``:
+        per row a slot and a count of first keys read there (a group's prompt)."""
+
+    def sample(self, logits: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Tokens and logprobs of rows at temperature 1 with no filter, from the uniform draws ``u``; or None to
+        leave them to torch."""

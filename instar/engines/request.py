@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from instar.contract import ImageInputs, SamplingParams
+from instar.contract import Generation, ImageInputs, SamplingParams
 
 
 @dataclass(eq=False)
@@ -47,6 +47,25 @@ class Request:
         """What the first ``end`` tokens are, for prefix sharing: the ids, with each image token
         standing for its image's content (images alike in ids differ in pixels)."""
         return self.ids[:end] if self.keys is None else (self.keys + self.ids[self.prompt_len:])[:end]
+
+    def record_routing(self, rows: torch.Tensor) -> None:
+        """Keep the routing ``rows`` of the fed positions ``cached..`` that hold sampled tokens (re-fed ones are
+        overwritten)."""
+        start = max(self.cached, self.prompt_len)
+        first = start - self.prompt_len
+        sampled_rows = rows[start - self.cached:]
+        self.routed[first: first + len(sampled_rows)] = list(sampled_rows.unbind(0))
+
+    def generation(self, routing_shape: tuple[int, int] | None) -> Generation:
+        """What it sampled; for an MoE model (``routing_shape``: moe layers, top-k) with each sampled token's
+        routing, -1 for one never fed through the model (only after an abort)."""
+        routed = None
+        if routing_shape is not None:
+            routed = torch.full((self.num_sampled, *routing_shape), -1, dtype=torch.int64)
+            if self.routed:
+                routed[: len(self.routed)] = torch.stack(self.routed)
+        return Generation(token_ids=self.ids[self.prompt_len:], logprobs=self.logprobs, versions=self.versions,
+                          finish_reason=self.finish_reason, routed_experts=routed)
 
     def rope_of(self, start: int, end: int) -> torch.Tensor:
         """Rotary positions (3, end - start) of tokens start..end."""

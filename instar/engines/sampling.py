@@ -27,11 +27,12 @@ own `torch.Generator`, so it reproduces its samples whatever else shares the bat
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from instar.contract import SamplingParams
+from instar.engines.protocol import StepAccelerator
 
 LogprobsMode = Literal["processed", "raw"]
 
@@ -60,17 +61,19 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           logprobs_mode: LogprobsMode = "processed", kernel: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+           logprobs_mode: LogprobsMode = "processed", accelerator: StepAccelerator | None = None,
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` (B, V). Returns (token ids (B,) int64, logprobs (B,) float32).
-    ``kernel``: a `decode_kernel.DecodeKernel`, which samples float32 rows at temperature 1 with no filter in one
-    call, from the same draws (a decode step's ~8 small ops instead, ~150 us at the demo's size in the engine)."""
+    Rows at temperature 1 with no filter through ``accelerator`` when given and it takes them, from the same
+    draws."""
     untouched = all(p.temperature in (0, 1) and p.top_k <= 0 and p.top_p >= 1 and p.min_p <= 0 for p in params)
     u = torch.rand(len(generators))
     for row, g in enumerate(generators):
         if g is not None:
             u[row] = torch.rand((), generator=g)
-    if kernel is not None and untouched and logits.dtype == torch.float32 and all(p.temperature for p in params):
-        return kernel.sample(logits, u)
+    if accelerator is not None and untouched and all(p.temperature for p in params):
+        if (sampled := accelerator.sample(logits, u)) is not None:
+            return sampled
     raw = logits.float().log_softmax(dim=-1)
     processed = raw if untouched else filter_logits(logits, params).log_softmax(dim=-1)
     cdf = processed.exp().cumsum(dim=-1)

@@ -25,18 +25,23 @@ from typing import Any
 import ray
 import torch
 
-from instar.config import EngineConfig
+from instar.config import CpuConfig, EngineConfig
 from instar.contract import Generation, ImageInputs, SamplingParams
 from instar.engines.protocol import Engine, EngineLoad, PauseMode, Sampled
-from instar.train.launch import cpu_threads, keep_freed_memory
+from instar.train.launch import cpu_threads
 from instar.train.weight_sync import open_sync_group, receive_weights
 
 
-def make_engine(model_path: str, backend: str, cfg: EngineConfig, routing_replay: bool = False) -> Engine:
+def make_engine(model_path: str, backend: str, cfg: EngineConfig, routing_replay: bool = False,
+                cpu: CpuConfig | None = None) -> Engine:
     if backend == "embedded":
         from instar.engines.embedded import EmbeddedEngine
 
-        return EmbeddedEngine.from_pretrained(model_path, cfg)
+        if cpu is None or not cpu.enable:
+            return EmbeddedEngine.from_pretrained(model_path, cfg)
+        from instar.cpu import engine_process
+
+        return EmbeddedEngine.from_pretrained(model_path, cfg, accelerate=engine_process())
     if backend == "vllm":
         from instar.engines.vllm import VLLMEngine
 
@@ -64,18 +69,16 @@ ENGINE_MAX_RESTARTS = 3
 @ray.remote(max_restarts=ENGINE_MAX_RESTARTS)
 class EngineActor:
     def __init__(self, model_path: str, backend: str, cfg: EngineConfig, routing_replay: bool = False,
-                 cpu_share: int = 1):
+                 cpu_share: int = 1, cpu: CpuConfig | None = None):
         os.nice(ROLLOUT_NICE)
         threads = cpu_threads(cpu_share)  # see Cluster: how many processes compute at the same time
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
-        if backend == "embedded":
-            keep_freed_memory()
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="engine", daemon=True).start()
 
         async def build() -> Engine:  # on the engine's loop: vLLM's AsyncLLM binds to the loop it starts on
-            return make_engine(model_path, backend, cfg, routing_replay)
+            return make_engine(model_path, backend, cfg, routing_replay, cpu)
         self.engine = asyncio.run_coroutine_threadsafe(build(), self.loop).result()
         self.requests: dict[str, concurrent.futures.Future] = {}  # generate_many's requests by key, for abort
         # Restarted by Ray after a crash, it holds the initial weights, not the policy's, and belongs to

@@ -83,7 +83,7 @@ class TrainerGroup:
         actor = ray.remote(_Rank)
         critic_cfg = getattr(cfg, "critic", None) if critic else None
         ranks = [actor.options(**ray_options(s)).remote(
-            cfg.actor, cfg.fsdp, cfg.train, critic_cfg, ref_path, cpu_share=s.cpu_share,
+            cfg.actor, cfg.fsdp, cfg.train, critic_cfg, ref_path, cfg.cpu, cpu_share=s.cpu_share,
             idle_share=sum(o.node_id == s.node_id for o in slots), generation=generation) for s in slots]
         addr, port = await ranks[0].address.remote()
         group = cls(ranks, os.path.join(cfg.ckpt.output_dir, "checkpoints"))

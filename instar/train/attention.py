@@ -1,20 +1,20 @@
 """The trainer's attention over packed rows: each sequence (or each segment of a prefix tree) sees only its own
 earlier tokens and its context, never the padding or another sequence. `attention_for` picks the kernel
 for ``--fsdp.attn_implementation``; "packed" (the CPU default) is `packed_attention`, registered with
-transformers, whose float32 CPU work runs in `attention_kernel`.
+transformers. Other packed-row attentions are registered by name in `REGISTERED` (the CPU accelerator's "cpu").
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from instar.train import attention_kernel
 
 PACKED = "instar_packed"
 
@@ -57,8 +57,7 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     flash-attention varlen path also reads) are laid out right-padded as one ``[B, heads, T, d]``
     batch for one causal SDPA call: a real query never sees the padding after it. When padding would
     more than double the work (lengths far apart), one causal call per sequence instead. A shared row
-    (``instar_segments`` with context) goes to `_shared_attention`. Float32 on the CPU goes to
-    `attention_kernel` where it is built, plain or shared, which reads the packed row in place.
+    (``instar_segments`` with context) goes to `_shared_attention`.
     """
     if kwargs.get("sliding_window"):
         raise NotImplementedError("packed attention has no sliding window (load_model picks sdpa for such models)")
@@ -70,13 +69,7 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         return out.to(query.dtype), None
     kw = {"dropout_p": dropout if module.training else 0.0, "scale": scaling,
           "enable_gqa": query.shape[1] != key.shape[1]}
-    if instar_segments is None:
-        bounds = (0, query.shape[2]) if cu_seq_lens_q is None else tuple(cu_seq_lens_q.tolist())
-        instar_segments = Segments(bounds, ((),) * (len(bounds) - 1))
-    if query.shape[0] == 1 and attention_kernel.takes(query, kw["dropout_p"]):  # one packed row, read in place
-        index, context, own = _kernel_plan(instar_segments)
-        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, d]: a view of the projection
-        return attention_kernel.SegmentAttention.apply(q, k, v, index, context, own, _scale(query, scaling))[None], None
+    instar_segments = segments_of(query, cu_seq_lens_q, instar_segments)
     if instar_segments.shared:
         return _shared_attention(query, key, value, instar_segments, kw), None
     bounds = instar_segments.bounds
@@ -133,8 +126,12 @@ class _FromPadded(torch.autograd.Function):
         return grad.new_zeros(ctx.rows, grad.shape[1]).index_copy_(0, slots.to(grad.device), grad), None
 
 
-def _scale(query: torch.Tensor, scaling: float | None) -> float:
-    return query.shape[-1] ** -0.5 if scaling is None else scaling
+def segments_of(query: torch.Tensor, cu_seq_lens_q: torch.Tensor | None, segments: Segments | None) -> Segments:
+    """The row's segments: given, or one per sequence of ``cu_seq_lens_q`` (the whole row without it)."""
+    if segments is not None:
+        return segments
+    bounds = (0, query.shape[2]) if cu_seq_lens_q is None else tuple(cu_seq_lens_q.tolist())
+    return Segments(bounds, ((),) * (len(bounds) - 1))
 
 
 def _shared_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: Segments,
@@ -172,9 +169,9 @@ def _segment_rows(segments: Segments) -> tuple[list[list[int]], list[list[int]]]
 
 
 @functools.lru_cache(maxsize=4)  # every layer of a forward (and its recompute) asks for the same row
-def _kernel_plan(segments: Segments) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For `attention_kernel`: each segment's key rows ``[S, Tk]`` (its context's, then its own; zeros past
-    them), its context's and its own lengths."""
+def kernel_plan(segments: Segments) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each segment's key rows ``[S, Tk]`` (its context's, then its own; zeros past them), its context's and its
+    own lengths: the key rows `_shared_attention` gathers, and what a kernel that reads the row in place needs."""
     own, seen = _segment_rows(segments)
     index = torch.zeros(len(own), max(len(s) + len(o) for s, o in zip(seen, own)), dtype=torch.long)
     for k, (s, o) in enumerate(zip(seen, own)):
@@ -202,24 +199,60 @@ def _shared_plan(segments: Segments) -> tuple[torch.Tensor, ...] | list[tuple[in
         mask[k, 0, :, :len(s)] = True
         mask[k, 0, :, len(s):] = causal[:, :tk - len(s)]  # padded queries see what the real ones before see
     valid = torch.arange(tq)[None] < torch.tensor([len(o) for o in own])[:, None]
-    return q_index, _kernel_plan(segments)[0], mask, valid.reshape(-1).nonzero()[:, 0]
+    return q_index, kernel_plan(segments)[0], mask, valid.reshape(-1).nonzero()[:, 0]
 
 
-def attention_for(path: str, choice: str = "auto") -> str:
+@dataclass(frozen=True)
+class Registered:
+    """A packed-row attention registered by name: ``attention`` has `packed_attention`'s interface and results
+    (it reads `Segments`); ``prepare(model, settings)`` is done to each model that attends with it, after
+    `parallelize` (the CPU accelerator's: its linear layers, compiled layers' CPU settings, malloc)."""
+
+    attention: Callable[..., tuple[torch.Tensor, None]]
+    prepare: Callable[[nn.Module, Any], None] | None = None
+
+
+REGISTERED = {"cpu": "instar.cpu.trainer:REGISTERED"}
+"""Registered attentions by name, as ``module:object`` (a `Registered`), imported when one is chosen: "cpu" is the
+optional CPU accelerator's (--cpu.enable), which transformers knows as ``instar_cpu``."""
+
+
+def registered(impl: str) -> Registered | None:
+    """The `Registered` attention behind transformers' ``impl`` (``instar_<name>``), if any."""
+    target = REGISTERED.get(impl.removeprefix("instar_")) if impl.startswith("instar_") else None
+    if target is None:
+        return None
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def packed_rows(impl: str) -> bool:
+    """Whether transformers' attention ``impl`` is one of ours, which read packed rows as `Segments`."""
+    return impl.startswith("instar_")
+
+
+def attention_for(path: str, choice: str = "auto", accelerated: bool = False) -> str:
     """The transformers ``attn_implementation`` for ``--fsdp.attn_implementation`` (see its help):
     "packed" is `packed_attention`, registered with transformers; "flex_attention" is transformers' own,
     which finds the packed row's sequences in the restarting ``position_ids`` and builds one
     document-causal BlockMask per forward, shared by all layers. "auto" picks flex_attention on a GPU
     and, on CPU (where FlexAttention has no backward), packed unless the model uses a sliding window,
-    then sdpa. A kernel that cannot run here is an error that names the fix."""
+    then sdpa. ``accelerated`` (--cpu.enable): packed on CPU is the accelerator's "cpu". A name in `REGISTERED`
+    is that attention. A kernel that cannot run here is an error that names the fix."""
     from transformers import AttentionInterface, AutoConfig
-    # no mask function: transformers then builds none; eager under --fsdp.compile (see `compiled.compile_layers`)
+    # no mask function: transformers then builds none; eager under --fsdp.compile (see `parallel.compile_layers`)
     AttentionInterface.register(PACKED, torch.compiler.disable(packed_attention))
     gpu = torch.cuda.is_available()
     if choice == "auto":
         if gpu:
             return "flex_attention"
-        return "sdpa" if getattr(AutoConfig.from_pretrained(path), "sliding_window", None) else PACKED
+        choice = "sdpa" if getattr(AutoConfig.from_pretrained(path), "sliding_window", None) else "packed"
+    if choice == "packed":
+        choice = "cpu" if accelerated and not gpu else choice
+    if choice in REGISTERED:
+        impl = f"instar_{choice}"
+        AttentionInterface.register(impl, torch.compiler.disable(registered(impl).attention))
+        return impl
     if choice == "packed":
         return PACKED
     if choice == "flex_attention" and not gpu:

@@ -15,6 +15,7 @@ the worker feeds each rank its chunk (`split_row`) and sums the per-position res
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,13 +24,14 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
-from instar.train.attention import Segments, packed_attention
+from instar.train.attention import Segments, packed_attention, registered
 
 ULYSSES = "instar_ulysses"
 
 
 def apply_context_parallel(model: nn.Module, cp: int, tp: int, choice: str) -> None:
-    """Run ``model``'s attention through `ulysses_attention`, in place (``choice``: --fsdp.attn_implementation)."""
+    """Run ``model``'s attention through `ulysses_attention`, in place (``choice``: --fsdp.attn_implementation),
+    which attends with the packed-row attention the model had (`packed_attention`, or a registered one)."""
     from transformers import AttentionInterface
     if choice not in ("auto", "packed"):
         raise ValueError(f"--fsdp.cp_size {cp} runs packed attention over each whole row; --fsdp.attn_implementation "
@@ -38,13 +40,18 @@ def apply_context_parallel(model: nn.Module, cp: int, tp: int, choice: str) -> N
     if heads % (tp * cp):
         raise ValueError(f"--fsdp.cp_size {cp} must divide each tp rank's {heads // tp} attention heads "
                          f"({heads} / --fsdp.tp_size {tp}); use a cp size that does")
-    AttentionInterface.register(ULYSSES, torch.compiler.disable(ulysses_attention))  # no mask function; eager
-    model.config._attn_implementation = ULYSSES
+    impl = model.config._attn_implementation
+    inner = registered(impl)
+    name = ULYSSES if inner is None else f"{ULYSSES}_{impl}"
+    attend = functools.partial(ulysses_attention, inner=packed_attention if inner is None else inner.attention)
+    AttentionInterface.register(name, torch.compiler.disable(attend))  # no mask function; eager
+    model.config._attn_implementation = name
 
 
 def ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                      cp_group: dist.ProcessGroup, row_segments: Segments, **kwargs: Any) -> tuple[Tensor, None]:
-    """`packed_attention` for this rank's chunk ``[1, heads, L, d]``: all-to-all to the whole row
+                      cp_group: dist.ProcessGroup, row_segments: Segments, inner: Any = packed_attention,
+                      **kwargs: Any) -> tuple[Tensor, None]:
+    """``inner`` (a packed-row attention) for this rank's chunk ``[1, heads, L, d]``: all-to-all to the whole row
     ``[1, heads / cp, cp L, d]``, attend within its segments (``row_segments``), and back to ``[1, L, heads, d]``."""
     cp = dist.get_world_size(cp_group)
     if key.shape[1] % cp:  # e.g. one key/value head per tp rank: give each query head its own copy
@@ -55,8 +62,8 @@ def ulysses_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         t = funcol.all_to_all_single(t.reshape(cp, h // cp, n, d).contiguous(), None, None, cp_group)
         return t.transpose(0, 1).reshape(1, h // cp, cp * n, d)
 
-    out, _ = packed_attention(module, to_row(query), to_row(key), to_row(value), attention_mask,
-                              instar_segments=row_segments, **kwargs)
+    out, _ = inner(module, to_row(query), to_row(key), to_row(value), attention_mask, instar_segments=row_segments,
+                   **kwargs)
     _, n, h, d = out.shape  # the row [1, cp L, heads / cp, d]: send chunk j to rank j
     out = funcol.all_to_all_single(out.reshape(cp, n // cp, h, d).contiguous(), None, None, cp_group)
     return out.transpose(0, 1).reshape(1, n // cp, cp * h, d), None

@@ -3,7 +3,6 @@ tests. Each rank gets ``(rank, world_size, master_port, *args)`` and its return 
 
 from __future__ import annotations
 
-import ctypes
 import os
 import tempfile
 import time
@@ -22,23 +21,6 @@ def cpu_threads(share: int) -> int:
     cores: together they use every core, and none oversubscribes them (two processes that each spin
     a thread per core run several times slower)."""
     return max(1, len(os.sched_getaffinity(0)) // max(1, share))
-
-
-def keep_freed_memory() -> bool:
-    """Have glibc keep the large blocks this process frees for its next allocations instead of handing
-    them back to the OS. A CPU training step allocates and frees hundreds of megabytes of activations;
-    by default glibc unmaps blocks over its (moving) threshold and trims the heap's free top, so the next
-    step takes the same memory back one zeroed 4 KiB page fault at a time: 1-5k faults and 2-10 ms of
-    kernel time a step for the demo's update, and memory traffic taken from the engine beside it. False
-    where the C library is not glibc (nothing changes there)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # glibc's malloc.h
-    # 32 MiB is the most glibc takes for the mmap threshold (larger blocks are still mapped apart).
-    settings = ((m_mmap_threshold, 32 << 20), (m_trim_threshold, 1 << 30), (m_top_pad, 64 << 20))
-    return all(libc.mallopt(option, value) == 1 for option, value in settings)
 
 
 class GenerationFlag:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -23,22 +24,26 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from instar.train.model import DTYPES, auto_model
+from instar.config import ActorConfig, CpuConfig, FSDPConfig
+from instar.train.attention import registered
+from instar.train.model import DTYPES, ValueModel, auto_model, load_model
+from instar.train.parallel import Layout, parallelize
 
 Index = tuple[slice | torch.Tensor, ...]
 """Per dim of a tensor, the global positions a rank holds: a range, or (strided layouts) a list."""
 
 
-def meta_model(path: str, dtype: str = "float32", attn: str = "auto", causal_lm: bool = True) -> nn.Module:
+def meta_model(path: str, dtype: str = "float32", attn: str = "auto", causal_lm: bool = True,
+               accelerated: bool = False) -> nn.Module:
     """The HF model of checkpoint ``path`` (a causal LM, or with ``causal_lm=False`` the bare decoder
     trunk the critic wraps) with every parameter and buffer on the meta device, in train mode: what
-    `instar.train.model.load_model` returns, before any weights exist."""
+    `instar.train.model.load_model` returns, before any weights exist. ``attn``, ``accelerated``: `attention_for`."""
     from transformers import AutoConfig, GenerationConfig
     if not os.path.isdir(path):
         raise ValueError(f"{path} is not a local checkpoint directory; per-rank loading reads its safetensors "
                          "files: download the model first (hf download <repo> --local-dir <dir>)")
     config = AutoConfig.from_pretrained(path)
-    auto, impl = auto_model(path, attn, causal_lm)
+    auto, impl = auto_model(path, attn, causal_lm, accelerated)
     with torch.device("meta"):
         model = auto.from_config(config, dtype=DTYPES[dtype], attn_implementation=impl)
     if causal_lm and os.path.exists(os.path.join(path, "generation_config.json")):
@@ -265,3 +270,25 @@ def checkpoint_sources(hf: nn.Module, path: str) -> dict[str, Source]:
         groups = [by_pattern[p] for p in conv.source_patterns if p in by_pattern]
         sources[name] = Source(files, groups, bool(merged), cats[0] if cats else None)
     return sources
+
+
+def load_sharded(path: str, actor: ActorConfig, fsdp: FSDPConfig, layout: Layout, cpu: CpuConfig, device: str,
+                 prepare: Callable[[nn.Module], Any] | None = None, value_model: bool = False) -> nn.Module:
+    """A trainer rank's model (``value_model``: the critic) of checkpoint ``path``: built on the meta device,
+    ``prepare``d, sharded (`parallelize`), prepared by its registered attention (`train.attention.Registered`,
+    the CPU accelerator's with ``cpu``), then filled with only this rank's part of the checkpoint: no rank ever
+    holds the whole model. NVIDIA AutoModel loads whole first."""
+    if actor.model_backend != "hf" and not value_model:
+        model = load_model(path, actor.dtype, actor.model_backend, fsdp.attn_implementation)
+    else:
+        model = meta_model(path, actor.dtype, fsdp.attn_implementation, not value_model, cpu.enable)
+        model = ValueModel(model) if value_model else model
+    if prepare is not None:
+        prepare(model)
+    attention = registered(model.config._attn_implementation)  # before context parallelism wraps it
+    parallelize(model, layout, fsdp)
+    if attention is not None and attention.prepare is not None:
+        attention.prepare(model, cpu)
+    if any(p.is_meta for p in model.parameters()):  # FSDP's CPU offload keeps parameters on the host
+        materialize(model, path, "cpu" if fsdp.offload == "optimizer" else device, device)
+    return model

@@ -10,22 +10,24 @@ import torch
 from torch import nn
 
 from instar.contract import ImageInputs
-from instar.train.attention import PACKED, attention_for
+from instar.train.attention import attention_for, packed_rows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CHUNK_TOKENS = 512  # rows of the float32 softmax at a time: at 152k vocab 0.3 GB a tensor, two at a time
 
 
-def auto_model(path: str, attn: str = "auto", causal_lm: bool = True) -> tuple[type, str | dict[str, str]]:
-    """The transformers auto class and ``attn_implementation`` for checkpoint ``path``: a vision-language
-    model is an image-text-to-text model whose vision tower keeps SDPA (its attention is not causal)."""
+def auto_model(path: str, attn: str = "auto", causal_lm: bool = True, accelerated: bool = False,
+               ) -> tuple[type, str | dict[str, str]]:
+    """The transformers auto class and ``attn_implementation`` (`attention_for`) for checkpoint ``path``: a
+    vision-language model is an image-text-to-text model whose vision tower keeps SDPA (its attention is not
+    causal)."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
-    impl = attention_for(path, attn)
+    impl = attention_for(path, attn, accelerated)
     if getattr(AutoConfig.from_pretrained(path), "vision_config", None) is None:
         return (AutoModelForCausalLM if causal_lm else AutoModel), impl
     if not causal_lm:
         raise ValueError(f"{path} is a vision-language model: instar has no critic for those (use a critic-free "
-                         "estimator such as --algo.advantage_estimator grpo)")
+                         "estimator such as --algo.advantage.estimator grpo)")
     return AutoModelForImageTextToText, {"": impl, "text_config": impl, "vision_config": "sdpa"}
 
 
@@ -131,7 +133,7 @@ def forward_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torc
 
 def _bounds_for(model: nn.Module, position_ids: torch.Tensor) -> dict[str, Any]:
     impl = str(getattr(model.config, "_attn_implementation", ""))
-    if impl == PACKED:
+    if packed_rows(impl):
         return packing_kwargs(position_ids)
     if impl.startswith("flash_attention"):  # its varlen kernel takes the bounds on the device
         return {k: v.to(position_ids.device) if torch.is_tensor(v) else v

@@ -9,6 +9,7 @@ most), then cp; dp x ep ranks see different samples, cp and tp ranks of one data
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -21,11 +22,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from instar.checks import check_layout
 from instar.config import FSDPConfig
-from instar.train.compiled import compile_layers
 from instar.train.context_parallel import apply_context_parallel
-from instar.train.cpu_kernels import use_cpu_matmul
 from instar.train.expert_parallel import apply_expert_parallel, experts_modules
-from instar.train.launch import keep_freed_memory, open_store
+from instar.train.launch import open_store
 from instar.train.model import DTYPES, decoder_layers, enable_activation_checkpointing
 from instar.train.tensor_parallel import apply_tensor_parallel
 
@@ -124,12 +123,34 @@ def parallelize(model: nn.Module, layout: Layout, fsdp: FSDPConfig) -> nn.Module
         enable_activation_checkpointing(model)
     if fsdp.compile:
         compile_layers(model)
-    if device_type() == "cpu":
-        keep_freed_memory()  # the process's allocator: every CPU update reuses the last one's memory
-        use_cpu_matmul(model, fsdp.cpu_matmul)
     if layout.mesh.size() == 1 and fsdp.offload == "none" and fsdp.mixed_precision == "float32":
         return model  # FSDP on one rank would only add hooks around every layer: ~5% of an update on CPU
     return apply_fsdp(model, layout.fsdp_mesh(), fsdp, expert_mesh)
+
+
+def compile_layers(model: nn.Module) -> None:
+    """--fsdp.compile: each dense decoder layer's forward through torch.compile with dynamic shapes, so one graph
+    serves every micro-batch. Packed attention stays eager (registered as such: it plans per row layout in Python,
+    which a graph would recompile for); MoE layers and vision blocks stay eager (data-dependent routing, per-image
+    Python). Hooks (FSDP2, the trainer's thread picking) run around the compiled forward."""
+    for layer in decoder_layers(model):
+        if hasattr(layer, "self_attn") and not experts_modules(layer):
+            layer.forward = _with_grad_compiled(layer.forward)
+
+
+def _with_grad_compiled(eager: Callable[..., Any]) -> Callable[..., Any]:
+    """Compiled when gradients are on; forwards without (logprob passes) run eager: one graph, not one per grad
+    mode. Dynamo guards on its global state, the thread count included: a rank that lends cores between layers
+    would recompile (~1.5 s each) for every new count. The rest of that state (grad mode aside: hence eager
+    without gradients, autocast, deterministic algorithms, default dtype) is fixed for a run, so that guard
+    is dropped."""
+    compiled = torch.compile(eager, dynamic=True, options={"guard_filter_fn": lambda entries: [
+        e.guard_type != "GLOBAL_STATE" for e in entries]})
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return (compiled if torch.is_grad_enabled() else eager)(*args, **kwargs)
+    forward.compiled = compiled
+    return forward
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, expert_mesh: DeviceMesh | None = None,

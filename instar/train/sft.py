@@ -69,7 +69,7 @@ def _sft_rank(rank: int, world: int, port: int, cfg: SFTConfig) -> dict[str, flo
     if steps_per_epoch == 0:
         raise ValueError(f"{len(train)} training conversations cannot fill one --sft.batch_size {cfg.sft.batch_size}")
     total = cfg.sft.epochs * steps_per_epoch
-    worker = TrainWorker(cfg.actor, cfg.fsdp, replace(cfg.train, max_steps=total))
+    worker = TrainWorker(cfg.actor, cfg.fsdp, replace(cfg.train, max_steps=total), cpu=cfg.cpu)
     worker.init(rank, world, "127.0.0.1", port)
     ckpt_dir, out = os.path.join(cfg.ckpt.output_dir, "checkpoints"), cfg.ckpt.output_dir
     start = 0

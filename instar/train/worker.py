@@ -19,10 +19,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
-from instar.config import ActorConfig, CriticConfig, FSDPConfig, TrainConfig
+from instar.config import ActorConfig, CpuConfig, CriticConfig, FSDPConfig, TrainConfig
 from instar.contract import Sample
 from instar.train import checkpoint, weight_sync
-from instar.train.attention import PACKED
+from instar.train.attention import packed_rows
 from instar.train.batch import (
     ROW_MULTIPLE,
     LossInputs,
@@ -34,9 +34,9 @@ from instar.train.batch import (
     right_pad,
     shard_samples,
 )
-from instar.train.context_parallel import ULYSSES, chunk_rows, split_row, sum_over_chunks
-from instar.train.load import materialize, meta_model
-from instar.train.model import ValueModel, forward_logits, load_model, token_logprobs
+from instar.train.context_parallel import chunk_rows, split_row, sum_over_chunks
+from instar.train.load import load_sharded
+from instar.train.model import forward_logits, token_logprobs
 from instar.train.moe import freeze_routers, replay_routes
 from instar.train.optim import build_optimizer, build_scheduler
 from instar.train.parallel import (
@@ -47,7 +47,6 @@ from instar.train.parallel import (
     clip_grad_norm,
     device_type,
     init_distributed,
-    parallelize,
 )
 
 
@@ -70,8 +69,9 @@ ValueLossFn = Callable[[Tensor, LossInputs], tuple[Tensor, dict[str, Any]]]
 
 class TrainWorker:
     def __init__(self, actor: ActorConfig, fsdp: FSDPConfig, train: TrainConfig,
-                 critic: CriticConfig | None = None, ref_path: str | None = None) -> None:
+                 critic: CriticConfig | None = None, ref_path: str | None = None, cpu: CpuConfig | None = None) -> None:
         self.actor, self.fsdp, self.train, self.critic_cfg, self.ref_path = actor, fsdp, train, critic, ref_path
+        self.cpu = cpu or CpuConfig()
         self.step = 0
         self.sync_group: weight_sync.SyncGroup | None = None
         self.before_micro_batch: Callable[[], None] | None = None  # e.g. picks the compute threads (trainer_group)
@@ -87,7 +87,7 @@ class TrainWorker:
         a = self.actor
         self.policy = self._load(a.model_name_or_path, freeze_routers if a.freeze_moe_router else None)
         # prefix-tree rows need attention that reads `Segments`: ours (packed, or packed inside Ulysses)
-        self.share_prefix = self.train.share_prefix and self.policy.config._attn_implementation in (PACKED, ULYSSES)
+        self.share_prefix = self.train.share_prefix and packed_rows(self.policy.config._attn_implementation)
         bf16 = "bfloat16" in (self.fsdp.mixed_precision, a.dtype)
         self.pad_rows = ROW_MULTIPLE if bf16 and self.device == "cpu" else 1
         self.optimizer = build_optimizer(self.policy, a.learning_rate, a.adam_betas, a.weight_decay)
@@ -103,20 +103,7 @@ class TrainWorker:
 
     def _load(self, path: str, prepare: Callable[[nn.Module], Any] | None = None, value_model: bool = False
               ) -> nn.Module:
-        """A model built on the meta device, sharded (`parallelize`), then filled with only this rank's
-        part of the checkpoint: no rank ever holds the whole model. NVIDIA AutoModel loads whole first."""
-        a, fsdp = self.actor, self.fsdp
-        if a.model_backend != "hf" and not value_model:
-            model = load_model(path, a.dtype, a.model_backend, fsdp.attn_implementation)
-        else:
-            model = meta_model(path, a.dtype, fsdp.attn_implementation, causal_lm=not value_model)
-            model = ValueModel(model) if value_model else model
-        if prepare is not None:
-            prepare(model)
-        parallelize(model, self.layout, fsdp)
-        if any(p.is_meta for p in model.parameters()):  # FSDP's CPU offload keeps parameters on the host
-            materialize(model, path, "cpu" if fsdp.offload == "optimizer" else self.device, self.device)
-        return model
+        return load_sharded(path, self.actor, self.fsdp, self.layout, self.cpu, self.device, prepare, value_model)
 
     # ---- forward passes -------------------------------------------------------------------------
 

@@ -1,0 +1,56 @@
+"""The trainable models: the policy (`--actor.*`) and the value model (`--critic.*`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class ActorConfig:
+    """The trainable policy."""
+
+    model_name_or_path: str = ""
+    """HF checkpoint directory of the policy (e.g. one built by `instar tiny-model`)."""
+    loss_mode: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """Policy loss: ppo (clipped token ratio), gspo (sequence-level ratio), cispo (clipped IS weight)."""
+    eps_clip_low_high: tuple[float, float] = (0.2, 0.28)
+    """Clip band of the policy ratio: [1 - low, 1 + high] (asymmetric, DAPO style)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1: caps the loss of a negative-advantage token at -c A (ppo, gspo); None disables it."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus in the policy loss."""
+    learning_rate: float = 1e-6
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm; 0 disables clipping."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up steps of the learning rate."""
+    lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule after warm-up (decays over --train.max_steps)."""
+    freeze_moe_router: bool = False
+    """Keep MoE router (gate) weights fixed during training."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype of the trainer (use float32 on CPU)."""
+    model_backend: Literal["hf", "automodel"] = "hf"
+    """Model loader: hf (transformers) or automodel (NVIDIA NeMo AutoModel, GPU, when installed)."""
+    ref_model_name_or_path: str | None = None
+    """Frozen reference (KL) or teacher (on_policy_distill) checkpoint; None reuses --actor.model_name_or_path."""
+    seed: int = 42
+    """Seed of the trainer's RNGs."""
+
+
+@dataclass
+class CriticConfig:
+    """The value model, used by the gae estimator only."""
+
+    model_name_or_path: str | None = None
+    """HF checkpoint for the critic trunk; None reuses --actor.model_name_or_path."""
+    learning_rate: float = 5e-6
+    """Critic learning rate."""
+    value_clip: float = 0.2
+    """Clip range of the value loss around the old values."""
