@@ -6,10 +6,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: 2 cor
 import shutil
 import tempfile
 
-# --engine.compile aot's builds go to a cache of this test session (Ray workers inherit the variable)
+# the CPU accelerator's builds go to a cache of this test session (Ray workers inherit the variable)
 os.environ["INSTAR_CACHE"] = tempfile.mkdtemp(prefix="instar-test-cache-")
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch
 from instar.data.tiny_model import TinySpec, build_tiny_model
 
 torch.set_num_threads(1)
+pytest.register_assert_rewrite("helpers")  # tests/helpers/: their asserts report values as a test's do
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -85,3 +87,21 @@ def ray_cluster():
         yield
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def scripted(tmp_path_factory):
+    """The tiny model fine-tuned to replay helpers.agents.SCRIPT (``.path``) and its tokenizer (``.tokenizer``)."""
+    from helpers.agents import scripted_model_dir
+    from transformers import AutoTokenizer
+
+    path = scripted_model_dir(tmp_path_factory)
+    return SimpleNamespace(path=path, tokenizer=AutoTokenizer.from_pretrained(path))
+
+
+@pytest.fixture(scope="module")
+def dense(tiny_model_dir):
+    """The dense tiny model in HF transformers (eval mode), the engines' reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()

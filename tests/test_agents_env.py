@@ -1,52 +1,17 @@
 """Agent loading, the env loop, the host's drop accounting and every example agent, end to end on the
-embedded engine with the scripted tiny model of test_agents_server."""
+embedded engine with the scripted tiny model (helpers/agents.py)."""
 
 import asyncio
-import contextlib
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
-from test_agents_server import CALCULATOR, GREEDY, USER, Recorded, chatml, scripted_model_dir
-from transformers import AutoTokenizer
+from helpers.agents import GREEDY, USER, hosting, task, tool_conversation_ids
 
-from instar.agents import (
-    AgentHost,
-    AgentLoadError,
-    ChatAgent,
-    ChatAgentRunner,
-    Env,
-    Result,
-    StepEnvRunner,
-    Task,
-    load_agent,
-)
+from instar.agents import AgentLoadError, ChatAgent, ChatAgentRunner, Env, Result, StepEnvRunner, load_agent
 from instar.data.chat import encode, prompt_ids, render
-from instar.engines import EmbeddedEngine
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "agents"
-
-
-@pytest.fixture(scope="module")
-def scripted(tmp_path_factory):
-    path = scripted_model_dir(tmp_path_factory)
-    return SimpleNamespace(path=path, tokenizer=AutoTokenizer.from_pretrained(path))
-
-
-@contextlib.asynccontextmanager
-async def hosting(scripted, runner, max_len=1024, max_new_tokens=64, agent_timeout=30.0, system_prompt=None):
-    engine = Recorded(EmbeddedEngine.from_pretrained(scripted.path))
-    try:
-        async with AgentHost(runner, engine, scripted.tokenizer, max_len=max_len, max_new_tokens=max_new_tokens,
-                             agent_timeout=agent_timeout, system_prompt=system_prompt, model_name="tiny") as host:
-            yield host, engine
-    finally:
-        await engine.engine.close()
-
-
-def task(label="5", prompt="What is 2+3?", **kw):
-    return Task(prompt=prompt, label=label, sampling_params=GREEDY, rollout_id="r0", prompt_index=7, group_id=3, **kw)
 
 
 def test_load_agent_says_what_is_wrong(tmp_path):
@@ -77,21 +42,6 @@ async def test_math_env_example_scores_a_single_turn(scripted):
     answer = encode(tok, "The answer is 5.") + [tok.eos_token_id]
     assert seg.token_ids == prompt_ids(tok, [USER]) + answer
     assert seg.action_mask == [0] * len(prompt_ids(tok, [USER])) + [1] * len(answer)
-
-
-TOOL_TURNS = (('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>', 1),
-              ("\n" + chatml(("user", "<tool_response>\n5\n</tool_response>")) + "<|im_start|>assistant\n", 0),
-              ("The answer is 5.", 1))
-
-
-def tool_conversation_ids(tok) -> tuple[list[int], list[int]]:
-    """The one token sequence every calculator agent (Env, OpenAI, Anthropic) must record."""
-    ids, mask = prompt_ids(tok, [USER], [CALCULATOR]), []
-    mask = [0] * len(ids)
-    for text, sampled in TOOL_TURNS:
-        part = encode(tok, text) + ([tok.eos_token_id] if sampled else [])
-        ids, mask = ids + part, mask + [sampled] * len(part)
-    return ids, mask
 
 
 @pytest.mark.asyncio

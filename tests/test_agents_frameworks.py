@@ -11,13 +11,11 @@ import time
 
 import pytest
 from agents import Agent, FunctionTool, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, set_tracing_disabled
+from helpers.agents import CALCULATOR, CALCULATOR_ANTHROPIC, ScriptedEngine, hosting, task, tool_conversation_ids
 from langchain_anthropic import ChatAnthropic
 from langchain_core.messages import ToolMessage
 from langchain_openai import ChatOpenAI
 from openai import AsyncOpenAI
-from test_agents_env import hosting, scripted, task, tool_conversation_ids  # noqa: F401 (fixture)
-from test_agents_server import CALCULATOR, CALCULATOR_ANTHROPIC
-from test_agents_server_limits import ScriptedEngine
 from transformers import AutoTokenizer
 
 from instar.agents import AgentHost, ChatAgent, ChatAgentRunner, Result
@@ -107,7 +105,7 @@ class AgentsSdkResponsesStreamed(ChatAgent):
 @pytest.mark.asyncio
 @pytest.mark.parametrize("agent", [LangChainBlockingInAsync, LangChainAsync, LangChainAnthropicBlocking,
                                    AgentsSdkChatCompletions, AgentsSdkResponsesRunSync, AgentsSdkResponsesStreamed])
-async def test_frameworks_record_the_calculator_conversation_token_exactly(scripted, agent):  # noqa: F811
+async def test_frameworks_record_the_calculator_conversation_token_exactly(scripted, agent):
     async with hosting(scripted, ChatAgentRunner(agent)) as (host, engine):
         traj = await host.rollout(task("5"))
     assert host.metrics() == {"agent/finished": 1.0}
@@ -142,7 +140,7 @@ class AwaitsForever(ChatAgent):
 
 
 @pytest.mark.asyncio
-async def test_hung_agents_time_out_in_every_form_and_the_host_goes_on(scripted):  # noqa: F811
+async def test_hung_agents_time_out_in_every_form_and_the_host_goes_on(scripted):
     try:
         async with hosting(scripted, ChatAgentRunner(BlocksItsLoop), agent_timeout=0.5) as (host, _):
             for agent in (BlocksItsLoop, HangsInDef, AwaitsForever):

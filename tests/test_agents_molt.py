@@ -1,16 +1,13 @@
 """Molt's agent-file forms (the runner as a subclass) and a plain gymnasium.Env through GymEnvRunner:
 each loads with load_agent and records real trajectories through the agent host, the chat server and
-the embedded engine running the scripted tiny model of test_agents_server."""
+the embedded engine running the scripted tiny model (helpers/agents.py)."""
 
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from test_agents_env import hosting, task
-from test_agents_server import GREEDY, USER, scripted_model_dir
-from transformers import AutoTokenizer
+from helpers.agents import GREEDY, USER, hosting, task
 
 from instar.agents import (
     AgentLoadError,
@@ -24,12 +21,6 @@ from instar.data.chat import encode, prompt_ids, render
 AGENTS = Path(__file__).resolve().parent / "agents"
 ANSWER = {"role": "assistant", "content": "The answer is 5."}
 CHECKED = {"role": "assistant", "content": "It is correct."}
-
-
-@pytest.fixture(scope="module")
-def scripted(tmp_path_factory):
-    path = scripted_model_dir(tmp_path_factory)
-    return SimpleNamespace(path=path, tokenizer=AutoTokenizer.from_pretrained(path))
 
 
 def two_turn_ids(tok) -> list[int]:

@@ -6,9 +6,8 @@ import httpx
 import openai
 import pytest
 from anthropic import AsyncAnthropic
+from helpers.agents import CALCULATOR, GREEDY, USER, chatml, serving, tool_conversation_ids
 from openai import AsyncOpenAI
-from test_agents_env import scripted, tool_conversation_ids  # noqa: F401 (fixture)
-from test_agents_server import CALCULATOR, GREEDY, USER, chatml, serving
 
 from instar.agents import ChatServer, SamplingParams
 from instar.contract import Generation
@@ -44,7 +43,7 @@ async def responses_round_trip(session, mode: str) -> tuple[list, list[str]]:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("mode", ["full_input", "previous_response_id", "stream"])
-async def test_responses_tool_round_trip_records_the_chat_completions_tokens(scripted, mode):  # noqa: F811
+async def test_responses_tool_round_trip_records_the_chat_completions_tokens(scripted, mode):
     async with serving(scripted) as (server, engine):
         session = server.open(GREEDY)
         (first, second), kinds = await responses_round_trip(session, mode)
@@ -71,7 +70,7 @@ async def test_responses_tool_round_trip_records_the_chat_completions_tokens(scr
 
 
 @pytest.mark.asyncio
-async def test_responses_errors_name_the_problem(scripted):  # noqa: F811
+async def test_responses_errors_name_the_problem(scripted):
     async with serving(scripted) as (server, _):
         session = server.open(GREEDY)
         client = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
@@ -110,7 +109,7 @@ THOUGHT = "<think>\nAdd them.\n</think>\n\nThe answer is <|im_start|>5."
 
 
 @pytest.mark.asyncio
-async def test_reasoning_comes_back_in_each_protocols_own_field(scripted):  # noqa: F811
+async def test_reasoning_comes_back_in_each_protocols_own_field(scripted):
     async with ChatServer(Says(scripted.tokenizer, *[THOUGHT] * 6), scripted.tokenizer, model_name="tiny",
                           max_len=512, max_new_tokens=32) as server:
         session = server.open(SamplingParams())
@@ -148,7 +147,7 @@ def openai_echo(form: str) -> dict:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("form", ["as_returned", "reasoning_dropped", "inline_normalised", "whitespace", "escaped",
                                   "anthropic_blocks", "responses_items", "edited"])
-async def test_a_reserialised_echo_keeps_the_sampled_tokens_and_only_an_edit_seals(scripted, form):  # noqa: F811
+async def test_a_reserialised_echo_keeps_the_sampled_tokens_and_only_an_edit_seals(scripted, form):
     tok = scripted.tokenizer
     engine = Says(tok, THOUGHT, "It is correct.")
     follow_up = {"role": "user", "content": "Check it."}

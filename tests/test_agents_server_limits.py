@@ -9,48 +9,12 @@ import time
 
 import httpx
 import pytest
+from helpers.agents import USER, ScriptedEngine
 from openai import AsyncOpenAI
 from transformers import AutoTokenizer
 
 from instar.agents import ChatServer, SamplingParams
-from instar.contract import Generation
 from instar.data.chat import encode, prompt_ids
-from instar.engines.protocol import Sampled
-
-USER = {"role": "user", "content": "What is 2+3?"}
-
-
-class ScriptedEngine:
-    """Answers every turn with ``reply`` (sampled ids ending with the end-of-turn id); ``fail`` makes
-    the next calls raise, ``hang`` makes them wait until cancelled."""
-
-    def __init__(self, tok):
-        self.reply = encode(tok, "ok") + [tok.eos_token_id]
-        self.prompts, self.params = [], []
-        self.fail, self.hang, self.cancelled = 0, False, asyncio.Event()
-
-    async def generate(self, prompt_token_ids, sampling_params, session_id=None):
-        self.prompts.append(list(prompt_token_ids))
-        self.params.append(sampling_params)
-        if self.fail:
-            self.fail -= 1
-            raise RuntimeError("engine connection lost")
-        if self.hang:
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                self.cancelled.set()
-                raise
-        n = len(self.reply)
-        return Generation(list(self.reply), [-0.5] * n, [7] * n, "stop")
-
-    async def stream(self, prompt_token_ids, sampling_params, session_id=None):
-        gen = await self.generate(prompt_token_ids, sampling_params, session_id)
-        yield Sampled(0, list(gen.token_ids))  # the whole turn at once
-        yield gen
-
-    def release(self, session_id):
-        pass  # nothing is cached per session
 
 
 @pytest.fixture(scope="module")

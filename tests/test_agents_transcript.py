@@ -2,6 +2,7 @@
 
 import pytest
 import pytest_asyncio
+from helpers.agents import Recorded
 from transformers import AutoTokenizer
 
 from instar.agents import SamplingParams, Transcript
@@ -11,21 +12,6 @@ from instar.engines import EmbeddedEngine
 
 USER = [{"role": "user", "content": "What is 2+3?"}]
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
-
-
-class Recorded:
-    """The embedded engine, with every (prompt ids, params, generation) it served kept."""
-
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
-
-    async def generate(self, prompt_token_ids, sampling_params, session_id=None):
-        gen = await self.engine.generate(prompt_token_ids, sampling_params, session_id)
-        self.calls.append((list(prompt_token_ids), sampling_params, gen))
-        return gen
-
-    def release(self, session_id):
-        self.engine.release(session_id)
 
 
 @pytest_asyncio.fixture
@@ -45,10 +31,10 @@ async def test_a_cut_off_turn_truncates_and_the_next_delta_carries_the_templates
     transcript = Transcript(engine, tok, session_id="s", max_len=512, max_new_tokens=4)
     turn = await transcript.sample(USER, None, SamplingParams(seed=1, max_tokens=50))
     assert turn.finish_reason == "length" and len(turn.token_ids) == 4 and transcript.truncated
-    assert engine.calls[0][1].max_tokens == 4 and engine.calls[0][1].stop_token_ids == [tok.eos_token_id]
+    assert engine.params[0].max_tokens == 4 and engine.params[0].stop_token_ids == [tok.eos_token_id]
     await transcript.sample([*transcript.messages, {"role": "user", "content": "ok"}], None, SamplingParams(seed=2))
     delta = encode(tok, "<|im_end|>\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n")
-    prompt, gens = prompt_ids(tok, USER), [gen for _, _, gen in engine.calls]
+    prompt, gens = prompt_ids(tok, USER), [gen for _, gen, _ in engine.calls]
     [seg] = transcript.segments
     assert seg.token_ids == prompt + gens[0].token_ids + delta + gens[1].token_ids
     assert engine.calls[1][0] == prompt + gens[0].token_ids + delta
@@ -61,7 +47,7 @@ async def test_context_budget_clamps_the_turn_then_ends_the_rollout_without_samp
     n_prompt = len(prompt_ids(tok, USER))
     transcript = Transcript(engine, tok, session_id="s", max_len=n_prompt + 3, max_new_tokens=50)
     turn = await transcript.sample(USER, None, SamplingParams(seed=1))
-    assert len(turn.token_ids) == 3 and engine.calls[0][1].max_tokens == 3
+    assert len(turn.token_ids) == 3 and engine.params[0].max_tokens == 3
     last = await transcript.sample([*transcript.messages, {"role": "user", "content": "more"}], None)
     assert (last.token_ids, last.finish_reason, transcript.truncated) == ([], "length", True)
     assert len(engine.calls) == 1
@@ -73,12 +59,12 @@ async def test_changed_tools_or_resampling_the_same_prompt_open_new_segments(eng
     transcript = Transcript(engine, tok, session_id="s", max_len=512, max_new_tokens=3)
     await transcript.sample(USER, None, SamplingParams(seed=1))
     again = await transcript.sample(USER, None, SamplingParams(seed=1))  # identical: from cache
-    assert len(engine.calls) == 1 and again.token_ids == engine.calls[0][2].token_ids
+    assert len(engine.calls) == 1 and again.token_ids == engine.calls[0][1].token_ids
     await transcript.sample(USER, None, SamplingParams(seed=2))  # a fresh sample of the same prompt
     await transcript.sample([*transcript.messages, {"role": "user", "content": "x"}], TOOLS, SamplingParams(seed=3))
     segments = transcript.segments
     assert len(segments) == 3
-    for seg, (prompt, _, gen) in zip(segments, engine.calls, strict=True):
+    for seg, (prompt, gen, _) in zip(segments, engine.calls, strict=True):
         assert seg.token_ids[:len(prompt) + len(gen.token_ids)] == prompt + gen.token_ids
     assert engine.calls[2][0] == prompt_ids(tok, transcript.messages[:-1], TOOLS)
 
@@ -97,7 +83,7 @@ async def test_moe_routing_of_sampled_tokens_is_kept_aligned_with_the_segment(ti
     seg.validate()
     assert tuple(seg.routed_experts.shape) == (len(seg.token_ids), 2, 2)
     actions = [i for i, m in enumerate(seg.action_mask) if m]
-    sampled = [row for _, _, gen in engine.calls for row in gen.routed_experts]
+    sampled = [row for _, gen, _ in engine.calls for row in gen.routed_experts]
     assert all((seg.routed_experts[i] == row).all() for i, row in zip(actions, sampled, strict=True))
     template = [i for i, m in enumerate(seg.action_mask) if not m]
     assert (seg.routed_experts[template] == -1).all()

@@ -59,8 +59,10 @@ def test_a_template_that_drops_earlier_reasoning_breaks_the_prefix_and_gets_no_d
     tok2.chat_template = dropping
     thought = {"role": "assistant", "content": "<think>2 plus 3</think>5"}
     assert continuation_text(tok2, [USER, thought], [USER, thought, USER], None, END, True) is None
-    assert continuation_text(tok2, [USER, ANSWER], [USER, ANSWER, USER], None, END, True) is not None
-    assert continuation_text(tok, [USER, thought], [USER, thought, USER], None, END, True) is not None
+    # without reasoning, or with the template that keeps it, the old conversation is a prefix: a delta
+    again = "\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
+    assert continuation_text(tok2, [USER, ANSWER], [USER, ANSWER, USER], None, END, True) == again
+    assert continuation_text(tok, [USER, thought], [USER, thought, USER], None, END, True) == again
 
 
 def test_parse_tool_calls_takes_well_formed_calls_and_leaves_the_rest_in_the_content():
@@ -118,7 +120,7 @@ def test_a_tool_parser_is_named_as_vllm_names_it_and_the_flag_offers_exactly_the
     from instar.data.tool_calls import PARSERS, parser_named
 
     flag = typing.get_type_hints(DataConfig)["tool_parser"]
-    assert set(typing.get_args(flag)) == set(PARSERS) == {"hermes", "llama3_json", "mistral"}
+    assert set(typing.get_args(flag)) == set(PARSERS)  # each round-trips in tests/test_tool_parsers.py
     with pytest.raises(ValueError, match="unknown tool parser 'pythonic': one of hermes, llama3_json, mistral"):
         parser_named("pythonic")
 

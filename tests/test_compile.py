@@ -6,14 +6,13 @@ parallelism with it is refused."""
 
 import pytest
 import torch
-from layouts import assert_same, check_equals_one_rank, make_sample, rl_two_steps, train_job
-from torch import nn
+from helpers.layouts import assert_same, check_equals_one_rank, make_sample, rl_two_steps, train_job
 
 from instar.checks import check_layout
 from instar.config import ConfigError, FSDPConfig
-from instar.train.compiled import compile_layers
 from instar.train.launch import reserve_port
 from instar.train.model import decoder_layers, load_model
+from instar.train.parallel import compile_layers
 from instar.train.worker import TrainWorker
 
 LENGTHS = [7, 12, 5, 9, 3, 10, 4, 8]
@@ -105,47 +104,3 @@ def test_tensor_parallel_with_compile_is_refused():
     check_layout(FSDPConfig(num_ranks=2, cp_size=2, compile=True))  # context parallel compiles (measured equal)
     with pytest.raises(ConfigError, match="--fsdp.compile does not run with --fsdp.tp_size > 1"):
         check_layout(FSDPConfig(num_ranks=2, tp_size=2, compile=True))
-
-
-def test_token_counts_share_one_graph(tiny_heads4_dir):
-    """Micro-batches of 700 to 5000 tokens (inductor sums floats in chunks above 4096 terms: a norm's weight
-    gradient over every token used to make a new graph at 1024, 2048 and 4096) all run the first graph."""
-    ref, model = (load_model(str(tiny_heads4_dir)) for _ in range(2))
-    compile_layers(model)
-    torch._dynamo.reset()
-    graphs = torch._dynamo.utils.counters["stats"]
-    for k, n in enumerate((700, 1500, 3000, 5000, 2100)):
-        ids, positions = torch.randint(0, 200, (1, n)), torch.arange(n)[None] % 97
-        out, expect = model(ids, position_ids=positions).logits, ref(ids, position_ids=positions).logits
-        torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-5)
-        out.square().mean().backward()
-        expect.square().mean().backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
-            p.grad = q.grad = None
-        if k == 0:
-            built = graphs["unique_graphs"]
-    assert built > 0 and graphs["unique_graphs"] == built
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_compiled_layers_norm_is_llamas_with_its_gradients(dtype):
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
-
-    from instar.train.compiled import _llama_norm, _norm_forward
-    torch.manual_seed(0)
-    ref, norm = Qwen3RMSNorm(48, eps=1e-6), Qwen3RMSNorm(48, eps=1e-6)
-    for m in (ref, norm):
-        m.weight.data = torch.linspace(0.5, 1.5, 48)
-    assert _llama_norm(norm) and not _llama_norm(nn.LayerNorm(48))
-    x = torch.randn(5, 3, 48, dtype=dtype)
-    xs = [x.clone().requires_grad_() for _ in range(2)]
-    outs = [ref(xs[0]), _norm_forward(norm, xs[1])]
-    assert outs[0].dtype == outs[1].dtype
-    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
-    grad = torch.randn_like(outs[0])
-    for out in outs:
-        out.backward(grad)
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(xs[1].grad, xs[0].grad, **tol)
-    torch.testing.assert_close(norm.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)

@@ -58,7 +58,6 @@ def test_yaml_recipe_plus_cli_overrides(tmp_path):
 
 @pytest.mark.parametrize("argv,fragment", [
     (["rl", "--rollout.batch_size", "many"], "rollout.batch_size"),
-    (["rl", "--algo.advantage.estimator", "ppo2"], "algo.advantage.estimator"),
     (["rl", "--actor.no_such_flag", "1"], "no_such_flag"),
     (["rl", "--train.force_sync_mode", "maybe"], "force_sync_mode"),
 ])
@@ -101,6 +100,12 @@ def test_help_lists_every_flag_with_its_doc():
      "needs --algo.advantage.is_correction_mode mask"),
     ({"algo.advantage.estimator": "grpo", "rollout.n_samples_per_prompt": 1},
      "set --rollout.n_samples_per_prompt >= 2"),
+    ({"algo.advantage.estimator": "ppo2"},
+     "--algo.advantage.estimator 'ppo2' is not registered; choose one of ['dr_grpo', 'gae', 'grpo',"),
+    ({"algo.advantage.estimator": "on_policy_distill", "algo.kl.coef": 0.1},
+     "on_policy_distill uses the reference as teacher; set --algo.kl.coef 0"),
+    ({"algo.kl.use_in": "reward", "algo.kl.coef": 0.1},
+     "only shapes token rewards of gae / reinforce; set --algo.kl.use_in loss for --algo.advantage.estimator grpo"),
     ({"algo.advantage.is_correction_level": "off"}, "set --algo.advantage.is_correction_level token"),
     ({"train.force_sync_mode": True, "train.partial_rollout_enable": True}, "drop one of them"),
     ({"engine.enable_sleep_mode": True}, "add --train.force_sync_mode"),

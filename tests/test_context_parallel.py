@@ -8,7 +8,7 @@ from functools import partial
 
 import pytest
 import torch
-from layouts import TOL, advantages, full_state, make_sample, rl_config
+from helpers.layouts import TOL, advantages, full_state, make_sample, rl_config
 
 from instar.config import ActorConfig, CriticConfig, FSDPConfig, TrainConfig
 from instar.contract import Sample

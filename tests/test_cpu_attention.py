@@ -1,16 +1,16 @@
-"""The trainer's packed attention kernel (`train/attention_kernel.py`) against SDPA with the mask it stands for:
+"""The trainer's packed attention kernel (`cpu/attention.py`) against SDPA with the mask it stands for:
 outputs and all three gradients on a packed row read in place, segments with and without context (one of two
 segments), grouped query heads, an empty segment, one and two threads (the same bits on any count); and
-`packed_attention` through it against its own SDPA path on plain and prefix-tree rows."""
+the accelerator's attention through it against `packed_attention` on plain and prefix-tree rows."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_shared_prefix import _Eval, _grouped
+from helpers.layouts import EvalModule as _Eval
+from helpers.layouts import grouped as _grouped
 
-from instar.train import attention_kernel
+from instar.cpu.attention import SegmentAttention, attention, takes
 from instar.train.attention import packed_attention
-from instar.train.attention_kernel import SegmentAttention
 from instar.train.batch import row_layout
 
 # a packed row of 22 tokens: a prompt (0) with two continuations (1, 2; 2 empty), one that goes on from 1 (5),
@@ -92,24 +92,22 @@ def test_segments_that_do_not_fit_are_refused():
                                 ([[0, 1, 2, 3], [4, 6, 0, 0]], [0, 0], [4, 2]),  # a row past the packed row
                                 ([[0, 1, 2, 3], [4, 5, 0, 0]], [-1, 0], [4, 2]),
                                 ([[0, 1, 2, 3], [4, 0, 0, 0]], [0, 0], [4, 1])):  # a row nobody owns
-        with pytest.raises(ValueError, match="do not fit"):
+        with pytest.raises(ValueError, match="segments of|refused its arguments"):
             SegmentAttention.apply(q, k, k, torch.tensor(index), torch.tensor(context), torch.tensor(own), 1.0)
 
 
 @pytest.mark.parametrize("share", [False, True], ids=["plain", "prefix_tree"])
-def test_packed_attention_through_the_kernel_equals_its_sdpa_path(share, monkeypatch):
+def test_the_accelerators_attention_equals_packed_attention(share):
     """The layer's attention as the trainer calls it (a packed row of whole sequences, or a prefix tree's
-    segments), float32: through the kernel and through SDPA (the path where no kernel is built)."""
-    assert attention_kernel.takes(torch.zeros(1, 32), 0.0)  # this machine builds it
+    segments), float32: through the kernel and through `packed_attention`'s SDPA path (the default)."""
+    assert takes(torch.zeros(1, 4, 8, 32), 0.0)  # this machine builds it
     layout = row_layout(_grouped(2, 3, 4), share)
     torch.manual_seed(0)
     x = torch.randn(len(layout.tokens), 4 * 32, requires_grad=True)
     results = []
-    for kernel in (True, False):
-        if not kernel:
-            monkeypatch.setattr(attention_kernel, "takes", lambda query, dropout: False)
+    for attend in (attention, packed_attention):
         q, k, v = (t.view(1, -1, 4, 32).transpose(1, 2) for t in (x, x.cos(), x.sin()))
-        out, _ = packed_attention(_Eval(), q, k[:, :2], v[:, :2], None, instar_segments=layout.segments)
+        out, _ = attend(_Eval(), q, k[:, :2], v[:, :2], None, instar_segments=layout.segments)
         out.square().sum().backward()
         results.append((out.detach(), x.grad))
         x.grad = None

@@ -1,18 +1,28 @@
-"""The engine's decode attention kernel (`--engine.compile aot`) against the matmuls it replaces: rows in any
-cache slots, each over its own number of cached keys; loading it leaves the process's float mode alone; without
-a compiler the engine keeps the matmuls."""
+"""The engine's decode attention and sampling kernels (`cpu/decode.py`) against the torch paths they replace:
+rows in any cache slots, each over its own number of cached keys; the sampled tokens of the same draws; rows with
+non-finite logits rejected as torch rejects them; loading it leaves the process's float mode alone; without a
+compiler the engine keeps torch's path."""
 
 import pytest
 import torch
+from helpers.engine import LOGITS, analytic
 
+from instar.contract import SamplingParams
+from instar.cpu.decode import DecodeKernel
+from instar.cpu.engine import EngineAccelerator
 from instar.engines import kv_model as km
-from instar.engines.decode_kernel import DecodeKernel
+from instar.engines.sampling import sample
+
+
+@pytest.fixture(scope="module")
+def accel(kernel):
+    return EngineAccelerator(None, kernel)
 
 
 @pytest.fixture(scope="module")
 def kernel():
     built = DecodeKernel.load_or_build()
-    assert built is not None  # the test machine has the C compiler that --engine.compile aot needs
+    assert built is not None  # the test machine has the C compiler the accelerator needs
     return built
 
 
@@ -60,16 +70,15 @@ def test_without_a_compiler_the_engine_keeps_the_matmuls(monkeypatch, tmp_path, 
     monkeypatch.setenv("INSTAR_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     assert DecodeKernel.load_or_build() is None
-    assert "decode attention stays on torch" in capsys.readouterr().out
+    assert "decode attention and sampling stays on plain PyTorch" in capsys.readouterr().out
 
 
 def test_a_step_that_decodes_and_prefills_equals_the_eager_engine(tiny_model_dir, kernel):
     """The decode rows of a step that also prefills go through the kernel (scattered back among the others)."""
     from instar.train.model import load_model
     model = load_model(str(tiny_model_dir))
-    aot, logits = km.aot_layers(model), []
-    assert aot.decode is not None
-    for layers in (aot, None):
+    logits = []
+    for layers in (EngineAccelerator(None, kernel), None):
         cache = km.SlotCache(model, 4, 16)
         km.forward(model, cache, km.make_batch(cache, [[5, 6, 7], [8, 9]], [0, 1], [0, 0]), layers)
         step = km.make_batch(cache, [[10], [11, 12, 13, 14], [15]], [0, 2, 1], [3, 0, 2])
@@ -98,3 +107,59 @@ def test_rows_read_a_shared_prompt_from_one_slot(kernel, prompt):
     assert [not torch.equal(moved[r], want[r]) for r in range(5)] == [True, True, True, True, False]
     with pytest.raises(ValueError, match="would read past"):  # sharing the row's last key (or more) is refused
         kernel(q, k_cache, v_cache, slots, lengths, 30, 0.125, shared=(sources, lengths))
+
+
+def test_the_kernel_samples_what_torch_samples_from_the_same_draws(kernel, accel):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 512, generator=g) * 3
+    logits[:, 7] = -200.0  # a token with probability 0 in float32
+    params = [SamplingParams(seed=i) if i % 3 == 0 else SamplingParams() for i in range(64)]
+    for draw in range(20):
+        gens = [torch.Generator().manual_seed(draw * 64 + i) if p.seed is not None else None
+                for i, p in enumerate(params)]
+        twins = [None if g is None else torch.Generator().manual_seed(draw * 64 + i) for i, g in enumerate(gens)]
+        torch.manual_seed(draw)
+        want_tokens, want_logprobs = sample(logits, params, gens)
+        torch.manual_seed(draw)
+        tokens, logprobs = sample(logits, params, twins, accelerator=accel)
+        assert torch.equal(tokens, want_tokens)  # a draw within a rounding error of a boundary could differ: none here
+        assert (logprobs - want_logprobs).abs().max() < 1e-5
+        assert not (tokens == 7).any()
+    # the frequencies of a small vocabulary, through the kernel
+    torch.manual_seed(1)
+    counts = sample(LOGITS.expand(20000, 6), [SamplingParams()] * 20000, [None] * 20000, accelerator=accel)[0].bincount(
+        minlength=6)
+    assert (counts / 20000 - analytic([0, 1, 2, 3, 4, 5])).abs().max() < 0.01
+
+
+def test_the_kernel_leaves_greedy_and_filtered_rows_to_torch(kernel, accel, monkeypatch):
+    calls = []
+    monkeypatch.setattr(type(kernel), "sample", lambda self, *a: calls.append(1))  # it would fail the unpacking
+    for params in ([SamplingParams(temperature=0)], [SamplingParams(top_k=2)], [SamplingParams(temperature=0.5)]):
+        tokens, _ = sample(LOGITS[None], params, [None], accelerator=accel)
+        assert tokens.shape == (1,)
+    assert not calls
+
+
+def test_a_draw_that_rounds_to_the_total_takes_the_last_token_with_probability(kernel, accel, monkeypatch):
+    monkeypatch.setattr(torch, "rand", lambda n: torch.ones(n))
+    logits = torch.tensor([[0.0, 0.0, -1.0, -2.0], [5.0, 0.0, 0.0, -200.0]])  # row 2's last token: probability 0
+    tokens, logprobs = sample(logits, [SamplingParams(), SamplingParams()], [None, None], accelerator=accel)
+    assert tokens.tolist() == [3, 2]
+    assert torch.isfinite(logprobs).all()
+
+
+def test_rows_with_non_finite_logits_are_rejected_as_torch_rejects_them(kernel, accel):
+    """NaN or +inf anywhere, or only -inf: token 0 with a NaN logprob (the contract then drops the rollout), as
+    torch's path gives; -inf in some places is a masked token and samples normally."""
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(2))
+    logits[0, 3], logits[1, 2], logits[2], logits[3, 5] = float("nan"), float("inf"), float("-inf"), float("-inf")
+    params = [SamplingParams()] * 5
+    torch.manual_seed(0)
+    want_tokens, want_logprobs = sample(logits, params, [None] * 5)
+    torch.manual_seed(0)
+    tokens, logprobs = sample(logits, params, [None] * 5, accelerator=accel)
+    assert tokens.tolist()[:3] == want_tokens.tolist()[:3] == [0, 0, 0]
+    assert logprobs[:3].isnan().all() and want_logprobs[:3].isnan().all()
+    assert tokens[3:].tolist() == want_tokens[3:].tolist() and torch.isfinite(logprobs[3:]).all()
+    assert tokens[3] != 5

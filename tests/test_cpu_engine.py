@@ -1,5 +1,5 @@
-"""`--engine.compile aot`: the embedded engine's dense layers as AOTInductor kernels, against the eager
-layer and HF transformers (greedy tokens, logprobs, a weight update, the build cache)."""
+"""The CPU accelerator in the embedded engine: its dense layers as AOTInductor kernels, against the eager layer
+and HF transformers (greedy tokens, logprobs, a weight update, the build cache, a failed or corrupt build)."""
 
 import asyncio
 import copy
@@ -8,22 +8,38 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine import PROMPTS, dense, hf_greedy, hf_logprobs, perturbed, run_engine, swap_mid_turn  # noqa: F401
+from helpers.engine import PROMPTS, hf_greedy, hf_logprobs, perturbed, swap_mid_turn
 from transformers import AutoModelForCausalLM
 
 from instar.config import EngineConfig
 from instar.contract import SamplingParams
+from instar.cpu import engine as cpu_engine
+from instar.cpu.aot import AotLayers
+from instar.cpu.build import cache_dir
 from instar.engines import EmbeddedEngine
 from instar.engines import kv_model as km
-from instar.engines.aot import AotLayers, cache_dir
 
-AOT = EngineConfig(compile="aot")
+
+def aot_layers(model):
+    accelerator = cpu_engine.accelerator(model)
+    return accelerator and accelerator.layers
+
+
+def accelerated(model, body):
+    """`test_engine.run_engine` with the accelerator."""
+    async def main():
+        engine = EmbeddedEngine(copy.deepcopy(model), EngineConfig(), accelerator=cpu_engine.accelerator(model))
+        try:
+            return await body(engine)
+        finally:
+            await engine.close()
+    return asyncio.run(main())
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 37])  # one token runs the build's smallest size (2) and keeps one
-def test_the_compiled_halves_equal_the_eager_layer(dense, tokens):  # noqa: F811
+def test_the_compiled_halves_equal_the_eager_layer(dense, tokens):
     layer = km.decoder(dense).layers[1]
-    aot = km.aot_layers(dense)
+    aot = aot_layers(dense)
     g = torch.Generator().manual_seed(tokens)
     width, hidden = layer.self_attn.q_proj.weight.shape
     h, o = torch.randn(tokens, hidden, generator=g), torch.randn(tokens, width, generator=g)
@@ -55,39 +71,39 @@ def test_the_compiled_halves_equal_the_eager_layer(dense, tokens):  # noqa: F811
         assert (logits - want).abs().max() < 1e-5
 
 
-def test_a_build_is_cached_by_shape(dense, tiny_heads4_dir):  # noqa: F811
-    km.aot_layers(dense)
+def test_a_build_is_cached_by_shape(dense, tiny_heads4_dir):
+    aot_layers(dense)
     builds = sorted(cache_dir().glob("*.pt2"))
     stamps = [p.stat().st_mtime_ns for p in builds]
-    km.aot_layers(dense)  # loaded, not rebuilt
+    aot_layers(dense)  # loaded, not rebuilt
     assert [p.stat().st_mtime_ns for p in sorted(cache_dir().glob("*.pt2"))] == stamps
     other = AutoModelForCausalLM.from_pretrained(tiny_heads4_dir).eval()
-    km.aot_layers(other)  # another shape: three more files (before and after attention, the head)
+    aot_layers(other)  # another shape: three more files (before and after attention, the head)
     assert len(list(cache_dir().glob("*.pt2"))) == len(builds) + 3
     assert all(Path(p).parent == cache_dir() for p in builds) and os.environ["INSTAR_CACHE"] in str(cache_dir())
 
 
-def test_greedy_tokens_and_logprobs_match_hf(dense):  # noqa: F811
+def test_greedy_tokens_and_logprobs_match_hf(dense):
     eos = dense.config.eos_token_id
     params = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[eos])
 
     async def body(engine):
-        assert isinstance(engine._aot, AotLayers)
+        assert isinstance(engine.accelerator.layers, AotLayers)
         return await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS))
 
-    for prompt, gen in zip(PROMPTS, run_engine(dense, body, AOT)):
+    for prompt, gen in zip(PROMPTS, accelerated(dense, body)):
         assert gen.token_ids == hf_greedy(dense, prompt, 12)
         assert (torch.tensor(gen.logprobs) - hf_logprobs(dense, prompt, gen.token_ids)).abs().max() < 1e-4
 
 
-def test_the_weights_are_inputs_a_weight_update_needs_no_rebuild(dense):  # noqa: F811
+def test_the_weights_are_inputs_a_weight_update_needs_no_rebuild(dense):
     new_model = perturbed(dense)
     prompt = PROMPTS[2]
 
     async def body(engine):
         return await swap_mid_turn(engine, "keep", new_model, prompt)
 
-    before, gen = run_engine(dense, body, AOT)
+    before, gen = accelerated(dense, body)
     old_part, new_part = gen.token_ids[:before], gen.token_ids[before:]
     assert old_part == hf_greedy(dense, prompt, before)
     assert new_part == hf_greedy(new_model, prompt + old_part, 12 - before)
@@ -95,25 +111,37 @@ def test_the_weights_are_inputs_a_weight_update_needs_no_rebuild(dense):  # noqa
     assert (got[before:] - hf_logprobs(new_model, prompt, gen.token_ids)[before:]).abs().max() < 1e-4
 
 
-def test_models_it_cannot_run_are_refused_and_moe_layers_stay_eager(dense, tiny_moe_dir):  # noqa: F811
-    with pytest.raises(ValueError, match="float32"):
-        EmbeddedEngine(copy.deepcopy(dense).to(torch.bfloat16), AOT)
+def test_models_it_cannot_compile_stay_eager_with_one_line(dense, tiny_moe_dir, capsys):
+    assert aot_layers(copy.deepcopy(dense).to(torch.bfloat16)) is None
+    assert capsys.readouterr().out.count("the engine's layers stay on plain PyTorch") == 1
     moe = AutoModelForCausalLM.from_pretrained(tiny_moe_dir).eval()  # every layer sparse: nothing to compile
-    assert km.aot_layers(moe) is None
+    assert aot_layers(moe) is None
 
 
-def test_a_failed_build_says_how_to_run_without_it(dense, tmp_path, monkeypatch):  # noqa: F811
+def test_a_failed_build_falls_back_with_one_line(dense, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("INSTAR_CACHE", str(tmp_path))
+    calls = []
 
     def no_compiler(*args, **kwargs):
+        calls.append(1)
         raise FileNotFoundError("g++")
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
-    with pytest.raises(RuntimeError, match="could not build its kernels.*g\\+\\+.*--engine.compile none"):
-        km.aot_layers(dense)
-    assert not list((tmp_path / "aot").iterdir())  # nothing half-written left behind
+    assert aot_layers(dense) is None
+    assert len(calls) == 2  # built, and once more
+    assert "compiled layers (before) stays on plain PyTorch: FileNotFoundError: g++" in capsys.readouterr().out
+    assert not list((tmp_path / "cpu").glob("*.pt2"))  # nothing half-written left behind
 
 
-def test_a_group_reads_its_shared_prompt_from_one_slot_exactly(dense, monkeypatch):  # noqa: F811
+def test_a_corrupt_cached_build_is_built_again(dense, tmp_path, monkeypatch):
+    monkeypatch.setenv("INSTAR_CACHE", str(tmp_path))
+    aot_layers(dense)
+    builds = sorted((tmp_path / "cpu").glob("*.pt2"))
+    builds[0].write_bytes(b"not a package")
+    assert aot_layers(dense) is not None
+    assert builds[0].stat().st_size > 1000  # built again in its place
+
+
+def test_a_group_reads_its_shared_prompt_from_one_slot_exactly(dense, monkeypatch):
     """Samples of one prompt hold copies of its keys; a decode step reads them from one row's slot (the kernel's
     `shared`): the same tokens and logprobs, to the bit, as each reading its own copy, through a weight update
     (after which each row recomputes its prompt apart and reads its own again)."""
@@ -141,7 +169,7 @@ def test_a_group_reads_its_shared_prompt_from_one_slot_exactly(dense, monkeypatc
 
     for share in (True, False):
         monkeypatch.setattr(embedded, "shared_prompts", counted if share else lambda group: None)
-        runs.append([(g.token_ids, g.logprobs) for g in run_engine(dense, body, AOT)])
+        runs.append([(g.token_ids, g.logprobs) for g in accelerated(dense, body)])
     sources = [{slot for slot, n in r if n} for r in reads if r is not None]
     assert sources and all(len(s) == 2 for s in sources)  # the two groups, each read from one of its slots
     assert reads[-1] is None  # after the update: no shared reads

@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from test_engine import hf_logprobs, run_engine
+from helpers.engine import hf_logprobs, run_engine
 from transformers import AutoModelForCausalLM
 
 from instar.config import EngineConfig

@@ -2,21 +2,12 @@
 
 import pytest
 import torch
+from helpers.engine import LOGITS, analytic
 
 from instar.contract import SamplingParams
 from instar.engines.sampling import filter_logits, sample
 
-LOGITS = torch.tensor([3.0, 2.0, 1.0, 0.5, 0.0, -1.0])
-# probabilities at temperature 1: .605 .222 .082 .050 .030 .011
-
-
-def analytic(kept: list[int], temperature: float = 1.0) -> torch.Tensor:
-    """softmax(LOGITS / temperature) restricted to ``kept`` (renormalised), zero elsewhere."""
-    probs = torch.zeros(6)
-    probs[kept] = (LOGITS[kept] / temperature).softmax(-1)
-    return probs
-
-
+# LOGITS' probabilities at temperature 1: .605 .222 .082 .050 .030 .011
 CASES = [
     (SamplingParams(temperature=1.0), analytic([0, 1, 2, 3, 4, 5])),
     (SamplingParams(temperature=0.5), analytic([0, 1, 2, 3, 4, 5], 0.5)),
@@ -83,53 +74,4 @@ def test_a_draw_that_rounds_to_the_total_takes_the_last_token_with_probability(m
     logits = torch.tensor([[0.0, 0.0, -1.0, -2.0], [5.0, 0.0, 0.0, 0.0]])
     tokens, logprobs = sample(logits, [SamplingParams(top_k=2), SamplingParams()], [None, None])
     assert tokens.tolist() == [1, 3]
-    assert torch.isfinite(logprobs).all()
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    from instar.engines.decode_kernel import DecodeKernel
-
-    built = DecodeKernel.load_or_build()
-    assert built is not None  # the test machine has the C compiler that --engine.compile aot needs
-    return built
-
-
-def test_the_kernel_samples_what_torch_samples_from_the_same_draws(kernel):
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(64, 512, generator=g) * 3
-    logits[:, 7] = -200.0  # a token with probability 0 in float32
-    params = [SamplingParams(seed=i) if i % 3 == 0 else SamplingParams() for i in range(64)]
-    for draw in range(20):
-        gens = [torch.Generator().manual_seed(draw * 64 + i) if p.seed is not None else None
-                for i, p in enumerate(params)]
-        twins = [None if g is None else torch.Generator().manual_seed(draw * 64 + i) for i, g in enumerate(gens)]
-        torch.manual_seed(draw)
-        want_tokens, want_logprobs = sample(logits, params, gens)
-        torch.manual_seed(draw)
-        tokens, logprobs = sample(logits, params, twins, kernel=kernel)
-        assert torch.equal(tokens, want_tokens)  # a draw within a rounding error of a boundary could differ: none here
-        assert (logprobs - want_logprobs).abs().max() < 1e-5
-        assert not (tokens == 7).any()
-    # the frequencies of a small vocabulary, through the kernel
-    torch.manual_seed(1)
-    counts = sample(LOGITS.expand(20000, 6), [SamplingParams()] * 20000, [None] * 20000, kernel=kernel)[0].bincount(
-        minlength=6)
-    assert (counts / 20000 - analytic([0, 1, 2, 3, 4, 5])).abs().max() < 0.01
-
-
-def test_the_kernel_leaves_greedy_and_filtered_rows_to_torch(kernel, monkeypatch):
-    calls = []
-    monkeypatch.setattr(type(kernel), "sample", lambda self, *a: calls.append(1))
-    for params in ([SamplingParams(temperature=0)], [SamplingParams(top_k=2)], [SamplingParams(temperature=0.5)]):
-        tokens, _ = sample(LOGITS[None], params, [None], kernel=kernel)
-        assert tokens.shape == (1,)
-    assert not calls
-
-
-def test_a_draw_that_rounds_to_the_total_takes_the_last_token_with_probability_in_the_kernel(kernel, monkeypatch):
-    monkeypatch.setattr(torch, "rand", lambda n: torch.ones(n))
-    logits = torch.tensor([[0.0, 0.0, -1.0, -2.0], [5.0, 0.0, 0.0, -200.0]])  # row 2's last token: probability 0
-    tokens, logprobs = sample(logits, [SamplingParams(), SamplingParams()], [None, None], kernel=kernel)
-    assert tokens.tolist() == [3, 2]
     assert torch.isfinite(logprobs).all()

@@ -6,8 +6,8 @@ next step; impossible layouts are refused naming the fix."""
 
 import pytest
 import torch
-from layouts import TOL, check_equals_one_rank, full, make_sample, make_worker, rl_two_steps, step, train_job
-from routes import record_routes
+from helpers.layouts import TOL, check_equals_one_rank, full, make_sample, make_worker, rl_two_steps, step, train_job
+from helpers.routes import record_routes
 
 from instar.checks import check_layout
 from instar.config import ConfigError, FSDPConfig

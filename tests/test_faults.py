@@ -2,36 +2,15 @@
 again and a restarted engine gets the policy's weights before it serves, so the run finishes; a dead
 trainer rank stops the run at once, naming the rank and the checkpoint to resume from."""
 
-import threading
 import time
 
 import pytest
-import ray
-from test_loop import ROOT, make_cfg, rows
+from helpers.loop import ROOT, kill_when, logged, make_cfg, rows
 
 from instar.contract import read_jsonl
 from instar.loop import run
 
 pytestmark = pytest.mark.slow
-
-
-def kill_when(ready, actor, restart: bool = True) -> list[float]:
-    """From a thread, kill ``actor()`` once ``ready()``; the returned list gets the kill's time."""
-    killed: list[float] = []
-
-    def watch():
-        deadline = time.monotonic() + 240
-        while not ready() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        killed.append(time.monotonic())
-        ray.kill(actor(), no_restart=not restart)
-
-    threading.Thread(target=watch, daemon=True).start()
-    return killed
-
-
-def logged(path, step: int):
-    return lambda: path.exists() and len(path.read_text().splitlines()) >= step
 
 
 def test_a_killed_agent_runner_is_restarted_and_its_groups_run_again(tmp_path, tiny_model_dir, prompts, clusters):
@@ -45,12 +24,11 @@ def test_a_killed_agent_runner_is_restarted_and_its_groups_run_again(tmp_path, t
     assert [(m["faults/agent_restarts"], m["faults/requeued_groups"]) for m in metrics] == [(0, 0), (1, 2), (1, 2)]
 
 
-# Two engines: the other serves meanwhile. One: its batch is all dropped, and the weights go out at once.
-@pytest.mark.parametrize("engines", [2, 1])
-def test_a_killed_engine_serves_again_only_with_the_policys_weights(engines, tmp_path, tiny_model_dir, prompts,
-                                                                     clusters):
+# The other engine serves meanwhile. A lone engine killed (its batch all dropped, the weights sent at once):
+# tests/test_placement.py, on two Ray nodes.
+def test_a_killed_engine_serves_again_only_with_the_policys_weights(tmp_path, tiny_model_dir, prompts, clusters):
     cfg = make_cfg(tmp_path, tiny_model_dir, prompts, **{
-        "train.force_sync_mode": True, "engine.num_engines": engines, "train.rollout_dump_dir": str(tmp_path / "dump"),
+        "train.force_sync_mode": True, "engine.num_engines": 2, "train.rollout_dump_dir": str(tmp_path / "dump"),
         "train.agent_path": str(ROOT / "tests/agents/slow_env.py")})  # step 2's sync comes >= 1.5 s after the kill
     killed = kill_when(logged(tmp_path / "run/metrics.jsonl", 1), lambda: clusters[0].engines[-1])
     run(cfg)

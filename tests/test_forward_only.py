@@ -10,7 +10,7 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed as dist
-from test_train_updates import LENGTHS, make_samples, rl_config, state, worker
+from helpers.updates import LENGTHS, make_samples, rl_config, state, worker
 
 from instar.config import RLConfig
 from instar.contract import Sample

@@ -3,7 +3,7 @@ grad norm and weights as a single rank after 3 steps; a checkpoint saved in one 
 another (DCP reshards) to the same next step; impossible layouts are refused naming the fix."""
 
 import pytest
-from layouts import check_equals_one_rank, make_sample, rl_two_steps, train_job
+from helpers.layouts import check_equals_one_rank, make_sample, rl_two_steps, train_job
 
 from instar.checks import check_layout
 from instar.config import ConfigError, FSDPConfig

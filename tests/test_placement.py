@@ -1,6 +1,7 @@
 """The placement plan (`--ray.placement`) on fake Ray nodes: every layout, the thread shares, and the
 errors that say what is short; then two simulated Ray nodes on this machine, where the loop runs with
-the engine on one node and the trainer on the other."""
+the engine on one node and the trainer on the other, and the engine, killed, serves again on its node only
+with the policy's weights."""
 
 import os
 import secrets
@@ -11,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import ray
-from test_faults import kill_when, logged
-from test_loop import make_cfg, rows
+from helpers.loop import ROOT, kill_when, logged, make_cfg, rows
 
+from instar.contract import read_jsonl
 from instar.loop import run
 from instar.runtime.placement import Node, PlacementError, Slot, plan
 
@@ -70,7 +71,6 @@ def test_one_gpu_is_shared_colocated_and_short_clusters_say_what_is_missing():
 
 # -- two simulated Ray nodes, and a `ray start` cluster ------------------------------------------------
 
-ROOT = Path(__file__).resolve().parents[1]
 ENV = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
 
 
@@ -113,16 +113,21 @@ def test_the_loop_runs_with_the_engine_on_one_node_and_the_trainer_on_the_other(
                                                                                  prompts, clusters, homes, capsys):
     head, worker = two_nodes
     cfg = make_cfg(tmp_path, tiny_model_dir, prompts, **{
-        "train.force_sync_mode": True, "train.agent_path": str(ROOT / "tests/agents/slow_env.py")})
+        "train.force_sync_mode": True, "train.agent_path": str(ROOT / "tests/agents/slow_env.py"),
+        "train.rollout_dump_dir": str(tmp_path / "dump")})  # step 2's sync comes >= 1.5 s after the kill
     killed = kill_when(logged(tmp_path / "run/metrics.jsonl", 1), lambda: clusters[0].engines[0])
-    run(cfg)  # the engine, killed after step 1, is restarted on its own node and given the weights again
+    run(cfg)  # the lone engine, killed after step 1, is restarted on its own node and given the weights again
     out = capsys.readouterr().out
     assert f"placement disaggregated (--ray.placement auto): engines on nodes ['{worker[:8]}'], " \
            f"trainer ranks on ['{head[:8]}']" in out
     metrics = rows(tmp_path / "run/metrics.jsonl")
     assert killed and [m["step"] for m in metrics] == [1, 2, 3]
-    assert [m["faults/engine_restarts"] for m in metrics] == [0, 1, 1]
-    assert all(m["weight_sync/bytes"] > 0 for m in metrics) and abs(metrics[-1]["actor/vllm_kl"]) < 1e-3
+    assert [m["faults/engine_restarts"] for m in metrics] == [0, 1, 1]  # found and rejoined at step 2's sync
+    # step 3 was sampled after that sync: nothing dropped, every token from policy version 2
+    third = read_jsonl(str(tmp_path / "dump/step_000003.jsonl"))
+    versions = {v for t in third for s in t.segments for v, m in zip(s.versions, s.action_mask) if m}
+    assert len(third) == 8 and versions == {2}
+    assert all(m["weight_sync/bytes"] > 0 for m in metrics) and abs(metrics[-1]["actor/vllm_kl"]) < 1e-3, metrics
     assert homes == {"engines": [worker], "ranks": [head]}  # where the actors ran, the restarted engine too
 
 

@@ -3,12 +3,11 @@ the same as computing each sample in full. The layout (golden), the attention (f
 batched and per segment), and the trainer: logprobs, values, losses, grad norms and weights after
 3 steps equal those of plain rows, on one rank and with context parallelism (cp=2)."""
 
-import random
 from functools import partial
 
 import pytest
 import torch
-from layouts import TOL, full_state, rl_config
+from helpers.layouts import TOL, EvalModule, full_state, grouped, rl_config
 
 from instar.config import ActorConfig, CriticConfig, FSDPConfig, TrainConfig
 from instar.contract import Sample
@@ -62,24 +61,10 @@ def test_rows_and_ranks_keep_a_group_together():
     assert plan_micro_batches([11, 17, 17], 20, tail) == [[0, 1], [2]]  # 19 tokens by common starts, 25 real
 
 
-def _grouped(seed: int, prompts: int, per_prompt: int, long_tail: bool = False) -> list[list[int]]:
-    rng = random.Random(seed)
-    seqs = []
-    for _ in range(prompts):
-        prompt = [rng.randrange(3, 500) for _ in range(rng.randint(9, 16))]
-        seqs += [prompt + [rng.randrange(3, 500) for _ in range(rng.randint(*(1, 40) if long_tail else (12, 20)))]
-                 for _ in range(per_prompt)]
-    return seqs + [list(seqs[0]), seqs[1][:5]]  # a duplicate, and a sample that is another's start
-
-
-class _Eval(torch.nn.Module):
-    training = False
-
-
 @pytest.mark.parametrize("long_tail", [False, True], ids=["batched", "per_segment"])
 def test_shared_attention_equals_plain_forward_and_backward(long_tail):
     """Queries, keys and values made from (token, position) so both layouts compute the same thing."""
-    seqs = _grouped(0, 3, 4, long_tail)
+    seqs = grouped(0, 3, 4, long_tail)
     heads, dim = 4, 8
     torch.manual_seed(0)
     emb, pos = torch.randn(500, heads * dim, dtype=torch.float64, requires_grad=True), torch.randn(64, heads * dim)
@@ -91,7 +76,7 @@ def test_shared_attention_equals_plain_forward_and_backward(long_tail):
             assert isinstance(_shared_plan(layout.segments), list) == long_tail
         x = emb[torch.tensor(layout.tokens)] + pos[torch.tensor(layout.positions)]
         q, k, v = (t.view(1, -1, heads, dim).transpose(1, 2) for t in (x, x.cos(), x.sin()))
-        out, _ = packed_attention(_Eval(), q, k[:, :2], v[:, :2], None, instar_segments=layout.segments)
+        out, _ = packed_attention(EvalModule(), q, k[:, :2], v[:, :2], None, instar_segments=layout.segments)
         per_seq = [out[0, p] for p in layout.place]
         emb.grad = None
         sum(o.square().sum() * (i + 1) for i, o in enumerate(per_seq)).backward()
@@ -106,7 +91,7 @@ def test_shared_attention_equals_plain_forward_and_backward(long_tail):
 
 LENGTHS_RL = rl_config()
 LENGTHS_RL.actor.loss_mode, LENGTHS_RL.actor.entropy_coef = "gspo", 0.01
-SEQS = _grouped(1, 3, 4)
+SEQS = grouped(1, 3, 4)
 SAMPLES = [Sample(s, [0] * 9 + [1] * (len(s) - 9), [0.0] * 9 + [-1.0] * (len(s) - 9), [-1] * 9 + [0] * (len(s) - 9))
            for s in SEQS if len(s) > 9]
 ADVANTAGES = [torch.full((len(s.token_ids),), 1.0 if i % 3 else -1.0) for i, s in enumerate(SAMPLES)]

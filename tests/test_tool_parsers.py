@@ -6,12 +6,20 @@ continues the same segment, and the recorded ids are exactly the sampled ones pl
 from types import SimpleNamespace
 
 import pytest
+from helpers.agents import (
+    CALCULATOR,
+    CALL,
+    GREEDY,
+    USER,
+    anthropic_tool_round_trip,
+    openai_tool_round_trip,
+    scripted_model_dir,
+    serving,
+)
 from openai import AsyncOpenAI
-from test_agents_server import CALCULATOR, CALL, GREEDY, USER, scripted_model_dir, serving
-from test_agents_server import anthropic_tool_round_trip as anthropic_round_trip
-from test_agents_server import openai_tool_round_trip as openai_round_trip
 
 from instar.data.chat import encode, prompt_ids
+from instar.data.tool_calls import PARSERS
 
 # ChatML frames (the tiny tokenizer's special tokens); the calls and tool results in each family's own form.
 FRAME = ("{% if tools %}<|im_start|>system{{ '\\n' }}Tools:{% for t in tools %} {{ t | tojson }}{% endfor %}"
@@ -43,6 +51,11 @@ SCRIPT = [([CALCULATOR], [USER, CALL, {"role": "tool", "content": "5"},
                           {"role": "assistant", "content": "The answer is 5."}])]
 
 
+def test_every_parser_round_trips_here_or_as_the_default():
+    """hermes is the tiny tokenizer's own format (tests/test_agents_server.py); every other one has a FORMATS row."""
+    assert set(PARSERS) == {"hermes", *FORMATS}
+
+
 @pytest.fixture(scope="module", params=sorted(FORMATS))
 def fmt(request, tmp_path_factory):
     from transformers import AutoTokenizer
@@ -60,7 +73,7 @@ async def test_openai_calls_in_each_format_parse_and_continue_the_segment(fmt, s
     tok = fmt.tokenizer
     async with serving(fmt, tool_parser=fmt.name) as (server, engine):
         session = server.open(GREEDY)
-        first, second = await openai_round_trip(session, stream)
+        first, second = await openai_tool_round_trip(session, stream)
     assert first["content"] is None and first["finish"] == "tool_calls"
     assert first["tool_calls"] == [{"id": "call_0_0", "type": "function", "function": {
         "name": "calculator", "arguments": '{"expression": "2+3"}'}}]
@@ -78,7 +91,7 @@ async def test_openai_calls_in_each_format_parse_and_continue_the_segment(fmt, s
 async def test_anthropic_tool_use_in_each_format(fmt, stream):
     async with serving(fmt, tool_parser=fmt.name) as (server, _):
         session = server.open(GREEDY)
-        first, second = await anthropic_round_trip(session, stream)
+        first, second = await anthropic_tool_round_trip(session, stream)
     assert first.stop_reason == "tool_use"
     assert [b.model_dump(exclude_none=True) for b in first.content] == [
         {"type": "tool_use", "id": "call_0_0", "name": "calculator", "input": {"expression": "2+3"}}]

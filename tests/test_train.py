@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from routes import record_routes
+from helpers.routes import record_routes
 from transformers import AutoModelForCausalLM
 
 from instar.contract import Sample

@@ -7,7 +7,7 @@ from functools import partial
 
 import pytest
 import torch
-from layouts import full
+from helpers.layouts import full
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM
 
@@ -172,7 +172,7 @@ def test_hf_export_loads_in_transformers_with_the_trainers_logprobs(two_ranks):
 
 
 def test_worker_replays_recorded_routes_and_freezes_the_router(tiny_moe_dir):
-    from routes import record_routes
+    from helpers.routes import record_routes
 
     from instar.train.moe import routers
 

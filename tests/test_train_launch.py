@@ -4,8 +4,6 @@ multi-rank test)."""
 
 import os
 import socket
-import subprocess
-import sys
 import time
 from datetime import timedelta
 
@@ -68,34 +66,3 @@ def test_a_reserved_port_stays_bound_and_serves_the_ranks_that_join_through_it()
     there.set("k", "v")
     assert here.get("k") == b"v"
     assert run_ranks(_store_rank, 2, timeout=120) == [["0", "1"]] * 2  # the launcher's ranks: both clients
-
-
-_FAULTS = """
-import ctypes, resource, statistics, sys, torch
-from instar.train.launch import keep_freed_memory
-
-def faults() -> float:  # page faults of allocating, writing and freeing 12 x 8 MiB, the median of 7 rounds
-    counts = []
-    for _ in range(7):
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        blocks = [torch.ones(2 << 20) for _ in range(12)]
-        del blocks
-        counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    return statistics.median(counts)
-
-libc = ctypes.CDLL("libc.so.6")  # glibc's starting thresholds, held fixed: by default they move with what was freed
-libc.mallopt(-3, 128 << 10), libc.mallopt(-1, 128 << 10)
-default = faults()
-applied = keep_freed_memory()
-print(default, applied, faults())
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
-def test_freed_blocks_are_kept_for_the_next_step_instead_of_faulted_back_in():
-    # A fresh process: the test process may have applied it already (a CPU trainer does).
-    out = subprocess.run([sys.executable, "-c", _FAULTS], capture_output=True, text=True, check=True, timeout=120)
-    default, applied, kept = out.stdout.split()
-    assert applied == "True"
-    assert float(default) > 20000  # the 96 MiB go back to the OS each round: 24k pages faulted in again
-    assert float(kept) < float(default) / 10

@@ -163,7 +163,7 @@ def test_rl_loop_trains_a_vlm_on_image_prompts(tmp_path, tiny_vlm_dir):
     import json
     from pathlib import Path
 
-    from test_loop import make_cfg, rows
+    from helpers.loop import make_cfg, rows
 
     from instar.contract import read_jsonl
     from instar.loop import run

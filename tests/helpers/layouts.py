@@ -1,8 +1,10 @@
 """What the layout-equivalence tests share (tests/test_parallel.py, test_expert_parallel.py,
-test_context_parallel.py): made-up samples, trainer-rank jobs in a given layout (three steps with a
-checkpoint, a resume), the comparison with one rank, and a two-step `instar rl` run in a layout."""
+test_context_parallel.py, test_shared_prefix.py and others): made-up samples (prefix-tree groups too), trainer-rank
+jobs in a given layout (three steps with a checkpoint, a resume), the comparison with one rank, and a two-step
+`instar rl` run in a layout."""
 
 import json
+import random
 from functools import partial
 from pathlib import Path
 
@@ -32,6 +34,24 @@ def make_sample(n: int, seed: int, routes: torch.Tensor | None = None) -> Sample
     ids = torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
     mask = [0] * (n // 2) + [1] * (n - n // 2)
     return Sample(ids, mask, [-1.0 if m else 0.0 for m in mask], [0 if m else -1 for m in mask], routes)
+
+
+def grouped(seed: int, prompts: int, per_prompt: int, long_tail: bool = False) -> list[list[int]]:
+    """Token sequences in groups that share a prompt (9-16 tokens), for prefix-tree rows; plus a duplicate and a
+    sequence that is another's start."""
+    rng = random.Random(seed)
+    seqs = []
+    for _ in range(prompts):
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randint(9, 16))]
+        seqs += [prompt + [rng.randrange(3, 500) for _ in range(rng.randint(*(1, 40) if long_tail else (12, 20)))]
+                 for _ in range(per_prompt)]
+    return seqs + [list(seqs[0]), seqs[1][:5]]
+
+
+class EvalModule(torch.nn.Module):
+    """The attention functions' ``module`` argument, in eval mode (no dropout)."""
+
+    training = False
 
 
 def advantages(lengths: list[int]) -> list[torch.Tensor]:
@@ -122,7 +142,7 @@ def rl_two_steps(tmp_path: Path, model_dir, **fsdp) -> list[dict]:
     cfg = RLConfig()
     cfg.actor.model_name_or_path, cfg.actor.learning_rate = str(model_dir), 1e-3
     cfg.data.prompt_dataset, cfg.data.max_new_tokens, cfg.data.max_len = str(prompts), 16, 128
-    cfg.train.agent_path = str(Path(__file__).parent / "agents/length_env.py")
+    cfg.train.agent_path = str(Path(__file__).resolve().parents[1] / "agents/length_env.py")
     cfg.train.max_steps, cfg.train.force_sync_mode = 2, True
     cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt = 2, 4
     for key, value in fsdp.items():
