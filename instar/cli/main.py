@@ -230,10 +230,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _normalise(argv: list[str]) -> list[str]:
-    """Accept `--kv-heads` for `--kv_heads`, a bare boolean flag (`--moe`) for `--moe true`, and Molt's
-    spellings (`config.ALIASES`) in flags and in the keys of a `--config` recipe."""
+    """Accept `--kv-heads` for `--kv_heads`, a bare boolean flag (`--moe`) for `--moe true`, and Molt's and
+    earlier spellings (`config.ALIASES`, `config.VALUE_ALIASES`) in flags and in the keys of a `--config` recipe."""
     flags = _bool_flags()
-    out = []
+    argv, out = list(argv), []  # a value alias rewrites the argument after it: the caller's list stays as given
     for i, arg in enumerate(argv):
         if i and argv[i - 1] == "--config" and os.path.isfile(arg):
             out.append(_recipe(arg))
@@ -243,8 +243,10 @@ def _normalise(argv: list[str]) -> list[str]:
             name = _alias(name.replace("-", "_"))
             if name in VALUE_ALIASES and eq:
                 name, value = _value_alias(name, value)
+                value = str(value).lower()
             elif name in VALUE_ALIASES and i + 1 < len(argv):
-                name, argv[i + 1] = _value_alias(name, argv[i + 1])
+                name, mapped = _value_alias(name, argv[i + 1])
+                argv[i + 1] = str(mapped).lower()
             arg = "--" + name + eq + value
             bare = not eq and (i + 1 == len(argv) or argv[i + 1].startswith("--"))
             if bare and name.replace("-", "_").split(".")[-1] in flags:
@@ -261,12 +263,12 @@ def _alias(name: str) -> str:
     return name
 
 
-def _value_alias(name: str, value: str) -> tuple[str, str]:
-    """An earlier flag and its value as the flag that replaces it (`config.VALUE_ALIASES`)."""
+def _value_alias(name: str, value: str) -> tuple[str, object]:
+    """An earlier flag and its value as the flag that replaces it and that flag's value (`config.VALUE_ALIASES`)."""
     new, values = VALUE_ALIASES[name]
     if value not in values:
         raise SystemExit(f"instar: --{name} takes one of {sorted(values)} (it is --{new} now), got {value!r}")
-    return new, str(values[value]).lower()
+    return new, values[value]
 
 
 def _recipe(path: str) -> str:
@@ -292,7 +294,6 @@ def _recipe(path: str) -> str:
             new = ALIASES.get(old, old)
             if old in VALUE_ALIASES:
                 new, value = _value_alias(old, str(value).lower())
-                value = value == "true"
             tree.setdefault(new.split(".")[0], {})[new.split(".")[1]] = value
     return yaml.safe_dump(rename(tree, ""), sort_keys=False)
 

@@ -19,7 +19,7 @@ from instar.config.trainer import FSDPConfig, TrainConfig
 
 __all__ = ["ALIASES", "ActorConfig", "AdvantageConfig", "AlgoConfig", "CkptConfig", "ConfigError", "CpuConfig",
            "CriticConfig", "DataConfig", "EngineConfig", "EvalConfig", "FSDPConfig", "KLConfig", "LogConfig",
-           "RLConfig", "RayConfig", "RolloutConfig", "SFTConfig", "SFTSection", "TrainConfig"]
+           "RLConfig", "RayConfig", "RolloutConfig", "SFTConfig", "SFTSection", "TrainConfig", "VALUE_ALIASES"]
 
 
 @dataclass

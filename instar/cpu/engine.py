@@ -13,28 +13,25 @@ from instar.engines import kv_model
 
 
 class EngineAccelerator:
-    """Implements `StepAccelerator` with whichever of its parts built here."""
+    """Implements `StepAccelerator` with whichever of its parts built here: the layers' halves and the decode
+    kernel are its own methods (bound here: each is called per layer of every engine step), used only where
+    `takes_layer` / `takes_decode` say so."""
 
     def __init__(self, layers: AotLayers | None, kernel: DecodeKernel | None) -> None:
         self.layers, self.kernel = layers, kernel
+        if layers is not None:
+            self.before_attention, self.after_attention = layers.before_attention, layers.after_attention
+        if kernel is not None:
+            self.decode = kernel
 
     def takes_layer(self, layer: nn.Module) -> bool:
         return self.layers is not None and not kv_model.is_moe(layer)
-
-    def before_attention(self, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
-        return self.layers.before_attention(layer, h, cos, sin)
-
-    def after_attention(self, layer: nn.Module, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        return self.layers.after_attention(layer, h, o)
 
     def logits(self, h: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor | None:
         return None if self.layers is None else self.layers.logits(h, norm, lm_head)
 
     def takes_decode(self, q: torch.Tensor, cache: torch.Tensor) -> bool:
         return self.kernel is not None and self.kernel.takes(q, cache)
-
-    def decode(self, *args: object, **kwargs: object) -> torch.Tensor:
-        return self.kernel(*args, **kwargs)
 
     def sample(self, logits: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.kernel is None or logits.dtype != torch.float32 or logits.device.type != "cpu":

@@ -64,9 +64,8 @@ class Cluster:
     def __init__(self, cfg: RLConfig, train: bool = True):
         """``train=False`` starts only engines and agent runners (`instar eval`)."""
         self.cfg, self.train = cfg, train
-        adv = cfg.algo.advantage
-        self.has_ref = cfg.algo.kl.coef > 0 or registered(adv.estimator).needs.ref
-        self.has_critic = registered(adv.estimator).needs.critic
+        needs = registered(cfg.algo.advantage.estimator).needs
+        self.has_ref, self.has_critic = cfg.algo.kl.coef > 0 or needs.ref, needs.critic
         self.started_ray = False
         self.engine_restarts = 0  # seen at weight syncs, counted in their metrics
         self.generation: GenerationFlag | None = None  # set while rollouts generate, for trainer ranks beside them
