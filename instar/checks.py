@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 from instar.algo.advantages import registered, token_level
+from instar.algo.is_correction import check_is_correction
 from instar.config import ConfigError, FSDPConfig, RLConfig
 
 
@@ -17,13 +18,7 @@ def check(cfg: RLConfig) -> None:
     """Reject settings that cannot work together, before anything starts."""
     adv, actor = cfg.algo.advantage, cfg.actor
     needs = registered(adv.estimator).needs  # first: an unknown name is the error to report
-    low, high = adv.is_correction_threshold
-    if not 0 <= low < 1 < high:
-        raise ConfigError("--algo.advantage.is_correction_threshold must satisfy 0 <= low < 1 < high, "
-                          f"got {low} {high}")
-    if adv.is_correction_level in ("seq", "geo") and adv.is_correction_mode != "mask":
-        raise ConfigError(f"--algo.advantage.is_correction_level {adv.is_correction_level} is a sequence gate and "
-                          f"needs --algo.advantage.is_correction_mode mask (got {adv.is_correction_mode})")
+    check_is_correction(adv)
     if needs.grouped and cfg.rollout.n_samples_per_prompt < 2:
         raise ConfigError(f"--algo.advantage.estimator {adv.estimator} compares samples of one prompt; "
                           f"set --rollout.n_samples_per_prompt >= 2 (got {cfg.rollout.n_samples_per_prompt})")

@@ -14,7 +14,7 @@ from instar.agents import ChatServer, SamplingParams
 from instar.agents.live import Delta, LiveText
 from instar.agents.transcript import Turn
 from instar.data.chat import encode
-from instar.data.tool_calls import parse_tool_calls
+from instar.data.tool_calls import parser_named
 from instar.engines import EmbeddedEngine
 from instar.engines.protocol import Sampled
 
@@ -162,7 +162,7 @@ def test_text_deltas_hold_back_split_characters_tool_calls_and_open_reasoning(to
     assert encode(tok, text)[closing] in encode(tok, "</think>")  # reasoning waits for its end, then whole
     assert [d.text for d in sent if d.kind == "reasoning"] == ["plan it"]
     assert joined(sent, "content") == "Answer: é"  # nothing of the call, no trailing space
-    content, calls = parse_tool_calls(text)
+    content, calls = parser_named("hermes").split(text)
     rest = live.rest(Turn({"role": "assistant", "content": content}, text, [], "stop", 0))
     assert rest == [] and calls == [{"name": "calc", "arguments": {"x": 1}}]
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from instar.algo import ESTIMATORS, AdvantageInputs, Needs, compute_advantages
-from instar.cli.flags import field_docs
-from instar.config import AdvantageConfig, AlgoConfig, ConfigError
+from instar.cli.flags import rows
+from instar.cli.main import command_parser
+from instar.config import AlgoConfig, ConfigError, RLConfig
 
 EPS = 1e-6  # GRPO_EPS
 
@@ -154,7 +155,7 @@ def test_each_estimator_declares_what_it_needs():
         "reinforce_baseline": Needs(grouped=True), "rloo": Needs(grouped=True), "grpo": Needs(grouped=True),
         "dr_grpo": Needs(grouped=True), "reinforce": Needs(token_level=True),
         "gae": Needs(critic=True, token_level=True), "on_policy_distill": Needs(ref=True, old=True, teacher=True)}
-    help_text = field_docs(AdvantageConfig)["estimator"]
+    help_text = {flag: doc for flag, _, doc in rows(command_parser("rl", RLConfig))}["--algo.advantage.estimator"]
     assert all(name in help_text for name in ESTIMATORS), help_text
     with pytest.raises(ConfigError, match=r"--algo.advantage.estimator 'ppo2' is not registered; choose one of "
                                           r"\['dr_grpo', 'gae', 'grpo', 'on_policy_distill', 'reinforce', "):

@@ -42,7 +42,7 @@ def test_flex_logprobs_equal_packed_attention(tiny_model_dir):
         want, got = row_logprobs(packed, mb), row_logprobs(flex, mb)
         # The same row read as one sequence (attention across the packed samples) is far off: the
         # comparison above can fail.
-        mb.position_ids = torch.arange(mb.num_tokens, device=DEVICE)[None]
+        mb.position_ids = torch.arange(mb.input_ids.shape[1], device=DEVICE)[None]
         mixed = row_logprobs(flex, mb)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert (mixed - want).abs().max() > 1e-2

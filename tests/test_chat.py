@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from instar.data.chat import continuation_text, encode, prompt_messages, render
-from instar.data.tool_calls import parse_tool_calls
+from instar.data.tool_calls import parser_named
 
 END = "<|im_end|>"
 USER = {"role": "user", "content": "What is 2+3?"}
@@ -65,23 +65,24 @@ def test_a_template_that_drops_earlier_reasoning_breaks_the_prefix_and_gets_no_d
     assert continuation_text(tok, [USER, thought], [USER, thought, USER], None, END, True) == again
 
 
-def test_parse_tool_calls_takes_well_formed_calls_and_leaves_the_rest_in_the_content():
+def test_hermes_parser_takes_well_formed_calls_and_leaves_the_rest_in_the_content():
+    parse = parser_named("hermes").split
     text = ('Let me check.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
             '\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "4*5"}}\n</tool_call>')
-    assert parse_tool_calls(text) == ("Let me check.", [
+    assert parse(text) == ("Let me check.", [
         {"name": "calculator", "arguments": {"expression": "2+3"}},
         {"name": "calculator", "arguments": {"expression": "4*5"}}])
     broken = '<tool_call>\n{"name": "calculator", "arguments": {\n</tool_call>'
-    assert parse_tool_calls(broken) == (broken, [])
+    assert parse(broken) == (broken, [])
     not_object = '<tool_call>["calculator"]</tool_call> <tool_call>{"name": "f", "arguments": [1]}</tool_call>'
-    assert parse_tool_calls(not_object) == (not_object, [])
-    assert parse_tool_calls('<tool_call>{"name": "f"}</tool_call>') == ("", [{"name": "f", "arguments": {}}])
-    assert parse_tool_calls("The answer is 5.") == ("The answer is 5.", [])
+    assert parse(not_object) == (not_object, [])
+    assert parse('<tool_call>{"name": "f"}</tool_call>') == ("", [{"name": "f", "arguments": {}}])
+    assert parse("The answer is 5.") == ("The answer is 5.", [])
 
 
 def test_llama3_json_calls_take_parameters_or_arguments_after_the_python_tag_separated_by_semicolons():
     def parse(text):
-        return parse_tool_calls(text, "llama3_json")
+        return parser_named("llama3_json").split(text)
 
     two = ('<|python_tag|>{"name": "calc", "parameters": {"e": "2+3", "nested": {"a": [1, {"b": 2}]}}}; '
            '{"name": "search", "arguments": {"q": "x"}}')
@@ -100,7 +101,7 @@ def test_llama3_json_calls_take_parameters_or_arguments_after_the_python_tag_sep
 
 def test_mistral_calls_as_a_json_list_or_name_args_blocks_and_a_broken_block_leaves_the_turn_as_text():
     def parse(text):
-        return parse_tool_calls(text, "mistral")
+        return parser_named("mistral").split(text)
 
     listed = 'Let me look. [TOOL_CALLS][{"name": "calc", "arguments": {"e": "2+3"}}, {"name": "f", "arguments": {}}]'
     assert parse(listed) == ("Let me look.", [{"name": "calc", "arguments": {"e": "2+3"}},

@@ -107,7 +107,7 @@ def _job(rank, world, port, model_dir, cp, share, pad: int | None = None, mixed:
     w.init(rank, world, "127.0.0.1", port)
     chosen, w.pad_rows = w.pad_rows, pad or w.pad_rows
     mb = collate(SAMPLES, list(range(len(SAMPLES))), share=w.share_prefix, pad_to=w.pad_rows)
-    out = {"row": mb.num_tokens, "pad_rows": chosen, "initial": w.compute_logprobs(SAMPLES), "actor": [
+    out = {"row": mb.input_ids.shape[1], "pad_rows": chosen, "initial": w.compute_logprobs(SAMPLES), "actor": [
         w.train_policy(SAMPLES, partial(rl_loss, LENGTHS_RL, 0.0), StepInputs(advantages=ADVANTAGES),
                        updates=UPDATES).metrics for _ in range(3)]}
     out["logprobs"] = w.compute_logprobs(SAMPLES)

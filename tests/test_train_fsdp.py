@@ -44,7 +44,7 @@ def _worker(model_dir, rank, world, port, max_tokens, **kwargs) -> TrainWorker:
 def _rl_step(w: TrainWorker) -> dict[str, float]:
     """One on-policy PPO step on SAMPLES (advantage +1 / -1 by sample); each rank takes its share."""
     adv = [torch.full((n,), 1.0 if i % 2 else -1.0) for i, n in enumerate(LENGTHS)]
-    return w.train_step(SAMPLES, LOSS, StepInputs(advantages=adv))
+    return w.train_policy(SAMPLES, LOSS, StepInputs(advantages=adv)).metrics
 
 
 def _full_state(w: TrainWorker) -> dict[str, torch.Tensor]:
@@ -195,7 +195,7 @@ def test_worker_replays_recorded_routes_and_freezes_the_router(tiny_moe_dir):
         w.train.routing_replay = True
         gates = [full(r.weight).clone() for r in routers(w.policy)]
         adv = [torch.ones(12)]
-        w.train_step([own], LOSS, StepInputs(advantages=adv, old_logprobs=[with_own]))
+        w.train_policy([own], LOSS, StepInputs(advantages=adv, old_logprobs=[with_own]))
         assert all(torch.equal(full(r.weight), g) for r, g in zip(routers(w.policy), gates))
         assert (w.compute_logprobs([own])[0] - with_own).abs().max() > 1e-4  # the rest of the model moved
     finally:

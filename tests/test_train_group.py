@@ -75,7 +75,7 @@ def test_a_rank_beside_the_engines_computes_with_every_core_while_nothing_genera
         flag.set(False)
         rank.compute_logprobs(samples)
         idle = list(rank.threads_used)
-        rank.train_step(samples[:2], partial(rl_loss, RLConfig(), 0.0),
+        rank.train_policy(samples[:2], partial(rl_loss, RLConfig(), 0.0),
                         StepInputs(advantages=[torch.ones(len(s.token_ids)) for s in samples[:2]]))
         trained = list(rank.threads_used)
     finally:

@@ -13,11 +13,11 @@ from instar.contract import Sample, SamplingParams
 from instar.runtime.batching import rl_loss
 from instar.train.batch import StepInputs
 from instar.train.launch import reserve_port, run_ranks
-from instar.train.weight_sync import hf_name, open_sync_group, receive_weights, send_weights
+from instar.train.weight_sync import open_sync_group, receive_weights, send_weights
 from instar.train.worker import TrainWorker
 
 
-def test_buckets_round_trip_exactly_with_names_mapped():
+def test_buckets_round_trip_exactly():
     params = [("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b", torch.ones(300, dtype=torch.bfloat16)),
               ("c", torch.arange(5)), ("d", torch.full((40,), 2.5))]
     port, stats, received = reserve_port(), {}, []
@@ -25,7 +25,7 @@ def test_buckets_round_trip_exactly_with_names_mapped():
     def sender():
         group = open_sync_group("127.0.0.1", port, 0, 2)
         # 400 bytes per bucket: "b" (600 bytes) travels alone, the others are packed together
-        stats.update(send_weights(iter(params), group, bucket_mb=400 / 2**20, name_map=lambda n: "model." + n))
+        stats.update(send_weights(iter(params), group, bucket_mb=400 / 2**20))
 
     thread = threading.Thread(target=sender)
     thread.start()
@@ -33,7 +33,7 @@ def test_buckets_round_trip_exactly_with_names_mapped():
     received = [(name, t.clone()) for name, t in receive_weights(group)]
     thread.join(timeout=60)
     assert not thread.is_alive()
-    assert [n for n, _ in received] == ["model.a", "model.b", "model.c", "model.d"]
+    assert [n for n, _ in received] == ["a", "b", "c", "d"]
     for (_, sent), (_, got) in zip(params, received):
         assert got.dtype == sent.dtype and torch.equal(got, sent)
     assert stats["weight_sync/bytes"] == 24 + 600 + 40 + 160
@@ -144,12 +144,6 @@ def test_mixed_dtypes_strided_and_cast_tensors_round_trip_twice_through_one_kept
     assert pointers == {group.buffer.untyped_storage().data_ptr()} and group.buffer.numel() == 400
 
 
-def test_engine_names_drop_wrapper_prefixes():
-    assert hf_name("model.layers.0._checkpoint_wrapped_module.mlp._orig_mod.up_proj.weight") == \
-        "model.layers.0.mlp.up_proj.weight"
-    assert hf_name("lm_head.weight") == "lm_head.weight"
-
-
 def _trainer_job(rank, world, port, model_dir, sync_port, prompts, inbox, outbox):
     w = TrainWorker(ActorConfig(model_name_or_path=str(model_dir), learning_rate=1e-2), FSDPConfig(num_ranks=1),
                     TrainConfig(max_tokens_per_gpu=256))
@@ -160,7 +154,7 @@ def _trainer_job(rank, world, port, model_dir, sync_port, prompts, inbox, outbox
     adv = [torch.full((len(s.token_ids),), 1.0) for s in samples]
     cfg = RLConfig()  # token-level truncated IS: the samples' rollout logprobs are made up
     cfg.algo.advantage.is_correction_level, cfg.algo.advantage.is_correction_mode = "token", "trunc"
-    w.train_step(samples, partial(rl_loss, cfg, 0.0), StepInputs(advantages=adv))
+    w.train_policy(samples, partial(rl_loss, cfg, 0.0), StepInputs(advantages=adv))
     w.open_weight_sync("127.0.0.1", sync_port, 2)
     stats = w.send_weights(bucket_mb=0.05)
     # plain lists: a queued tensor lives in this process's shared memory, gone once the rank exits

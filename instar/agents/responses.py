@@ -18,7 +18,7 @@ from pydantic import Field
 
 from instar.agents.live import Delta
 from instar.agents.transcript import Turn, split_reasoning
-from instar.agents.wire import INT32, BaseRequest, Body, WireError, text_of, tool_call
+from instar.agents.wire import INT32, BaseRequest, Body, text_of, tool_call
 from instar.data.chat import Message
 
 
@@ -180,8 +180,3 @@ async def events(parts: AsyncIterator[Delta | Turn], model: str, response_id: st
         for e in now + (closed(i, item) if i >= len(live) - 1 else []):
             yield e
     yield event(f"response.{full['status']}", response=full)
-
-
-def unknown_response(response_id: str) -> WireError:
-    return WireError(404, f"previous_response_id {response_id!r} is not a response of this session (responses are "
-                          "kept per rollout session, until it ends); send the whole conversation as input instead")

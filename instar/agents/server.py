@@ -168,9 +168,10 @@ async def _body(server: ChatServer, request: Request, model: type[BaseModel]) ->
         raise wire.WireError(400, f"invalid request body: {detail}") from None
 
 
-def _sampling(session: Session, traced: bool, **asked: Any) -> SamplingParams:
+def _sampling(session: Session, traced: bool, body: wire.BaseRequest, **asked: Any) -> SamplingParams:
     """The session's sampling, overridden by what the request sets explicitly. A traced turn must
     keep the session's distribution: the trainer's importance ratios assume it."""
+    asked = {"temperature": body.temperature, "top_p": body.top_p, **asked}
     asked = {k: v for k, v in asked.items() if v is not None}
     changed = [f"{k}={asked[k]} differs from this session's {getattr(session.sampling, k)}" for k in _TRAINED
                if k in asked and asked[k] != getattr(session.sampling, k)]
@@ -264,8 +265,8 @@ def _chat_completions(session: Session, traced: bool, body: wire.OpenAIRequest) 
     if body.stop:
         raise wire.WireError(400, "stop strings are not supported: a turn ends at the template's end-of-turn token")
     messages = wire.openai_messages(body.messages)
-    sampling = _sampling(session, traced, temperature=body.temperature, top_p=body.top_p,
-                         max_tokens=body.max_completion_tokens or body.max_tokens, seed=body.seed)
+    sampling = _sampling(session, traced, body, max_tokens=body.max_completion_tokens or body.max_tokens,
+                         seed=body.seed)
     return messages, wire.openai_tools(body.tools), sampling, None
 
 
@@ -273,19 +274,19 @@ def _messages(session: Session, traced: bool, body: wire.AnthropicRequest) -> tu
     if body.stop_sequences:
         raise wire.WireError(400, "stop_sequences are not supported: a turn ends at the template's end-of-turn token")
     messages = wire.anthropic_messages(body.system, body.messages)
-    sampling = _sampling(session, traced, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                         max_tokens=body.max_tokens)
+    sampling = _sampling(session, traced, body, top_k=body.top_k, max_tokens=body.max_tokens)
     return messages, wire.anthropic_tools(body.tools), sampling, None
 
 
 def _responses(session: Session, traced: bool, body: responses.ResponsesRequest) -> tuple:
     previous = body.previous_response_id
     if previous is not None and previous not in session.responses:
-        raise responses.unknown_response(previous)
+        raise wire.WireError(404, f"previous_response_id {previous!r} is not a response of this session (responses "
+                                  "are kept per rollout session, until it ends); send the whole conversation as input "
+                                  "instead")
     convo = responses.conversation(body, session.responses.get(previous, []))
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    sampling = _sampling(session, traced, temperature=body.temperature, top_p=body.top_p,
-                         max_tokens=body.max_output_tokens)
+    sampling = _sampling(session, traced, body, max_tokens=body.max_output_tokens)
     return system + convo, responses.tools(body), sampling, convo
 
 

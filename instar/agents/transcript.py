@@ -158,11 +158,10 @@ class Transcript:
         # Rendering and tokenizing a long conversation takes seconds: off the event loop, so the chat server
         # keeps serving other sessions meanwhile. A short one takes well under a millisecond, less than the hop.
         inline = len(key) < INLINE_RENDER_CHARS
-        if self._open is None:
-            new_ids = None
+        if inline or self._open is None:  # no segment open: nothing to extend, no delta to render
+            new_ids = self._delta_ids(messages, tools)
         else:
-            new_ids = self._delta_ids(messages, tools) if inline else await asyncio.to_thread(
-                self._delta_ids, messages, tools)
+            new_ids = await asyncio.to_thread(self._delta_ids, messages, tools)
         extends = new_ids is not None
         context = list(self._open.token_ids) if extends else []
         if not extends:

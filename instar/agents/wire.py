@@ -209,7 +209,7 @@ def tool_call(call_id: str, name: str, arguments: str | dict, where: str) -> dic
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _assistant(content: str, calls: list[dict], reasoning: str | None = None) -> Message:
+def _assistant(content: str | None, calls: list[dict], reasoning: str | None = None) -> Message:
     """The canonical assistant message; ``reasoning_content`` as HF templates read it (Qwen3's does)."""
     return {"role": "assistant", "content": content, **({"reasoning_content": reasoning} if reasoning else {}),
             **({"tool_calls": calls} if calls else {})}
@@ -277,8 +277,7 @@ def openai_response(turn: Turn, model: str, request_id: str) -> dict:
     calls = [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
              for c in turn.message.get("tool_calls", [])]
     reasoning, content = split_reasoning(turn.message["content"])
-    message = {"role": "assistant", "content": content or (None if calls else ""),
-               **({"reasoning_content": reasoning} if reasoning else {}), **({"tool_calls": calls} if calls else {})}
+    message = _assistant(content or (None if calls else ""), calls, reasoning)
     n_out = len(turn.token_ids)
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": message, "logprobs": None,

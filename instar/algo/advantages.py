@@ -234,28 +234,30 @@ def _token_rewards(x: AdvantageInputs, cfg: AlgoConfig, p: _Packing) -> Tensor:
     return rewards
 
 
+def _gae(rewards: Tensor, values: Tensor, gamma: float, lam: float) -> Tensor:
+    """GAE(gamma, lambda) over [N, L] packed action tokens; the value after the last one is 0. With lambda 1
+    and values 0 it is the discounted return-to-go of the rewards."""
+    adv, running = torch.zeros_like(rewards), torch.zeros(len(rewards))
+    next_value = torch.zeros(len(rewards))
+    for j in reversed(range(rewards.shape[1])):  # padding has reward 0 and value 0: it stays at 0
+        delta = rewards[:, j] + gamma * next_value - values[:, j]
+        running = delta + gamma * lam * running
+        adv[:, j], next_value = running, values[:, j]
+    return adv
+
+
 def reinforce(x: AdvantageInputs, cfg: AlgoConfig) -> Tensor:
     """REINFORCE++: discounted return-to-go of the token rewards, whitened over all action tokens."""
     p = _pack(x)
-    rewards, gamma = _token_rewards(x, cfg, p), cfg.advantage.gamma
-    returns, running = torch.zeros_like(rewards), torch.zeros(len(p.length))
-    for j in reversed(range(rewards.shape[1])):  # padding sits after each trajectory's end and adds 0
-        running = rewards[:, j] + gamma * running
-        returns[:, j] = running
+    rewards = _token_rewards(x, cfg, p)
+    returns = _gae(rewards, torch.zeros_like(rewards), cfg.advantage.gamma, 1.0)
     return masked_whiten(p.unpack(returns, x.action_mask.float()), x.action_mask)
 
 
 def gae(x: AdvantageInputs, cfg: AlgoConfig) -> Tensor:
     """GAE(gamma, lambda) over the trajectory's action tokens; the value after the last one is 0."""
     p = _pack(x)
-    rewards, values = _token_rewards(x, cfg, p), p.pack(x.values.float())
-    gamma, lam = cfg.advantage.gamma, cfg.advantage.lam
-    adv, running = torch.zeros_like(rewards), torch.zeros(len(p.length))
-    next_value = torch.zeros(len(p.length))
-    for j in reversed(range(rewards.shape[1])):  # padding has reward 0 and value 0: it stays at 0
-        delta = rewards[:, j] + gamma * next_value - values[:, j]
-        running = delta + gamma * lam * running
-        adv[:, j], next_value = running, values[:, j]
+    adv = _gae(_token_rewards(x, cfg, p), p.pack(x.values.float()), cfg.advantage.gamma, cfg.advantage.lam)
     return p.unpack(adv, x.action_mask.float())
 
 

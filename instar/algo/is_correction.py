@@ -25,21 +25,23 @@ import torch
 from torch import Tensor
 
 from instar.algo.ops import LOG_RATIO_CLAMP
-from instar.config import AdvantageConfig
+from instar.config import AdvantageConfig, ConfigError
 
 
 def check_is_correction(cfg: AdvantageConfig) -> None:
-    """Reject a level / mode / band that cannot work, naming the fix."""
+    """Reject a level / mode / band that cannot work, naming the fix (at start-up too: `instar.checks`)."""
     level, mode, (low, high) = cfg.is_correction_level, cfg.is_correction_mode, cfg.is_correction_threshold
     if level not in ("off", "token", "seq", "geo"):
-        raise ValueError(f"unknown --algo.advantage.is_correction_level {level!r}; choose off, token, seq or geo")
+        raise ConfigError(f"unknown --algo.advantage.is_correction_level {level!r}; choose off, token, seq or geo")
     if mode not in ("mask", "clip", "trunc"):
-        raise ValueError(f"unknown --algo.advantage.is_correction_mode {mode!r}; choose mask, clip or trunc")
+        raise ConfigError(f"unknown --algo.advantage.is_correction_mode {mode!r}; choose mask, clip or trunc")
     if level in ("seq", "geo") and mode != "mask":
-        raise ValueError(f"--algo.advantage.is_correction_level {level} is a sequence gate and needs "
-                         f"--algo.advantage.is_correction_mode mask (got {mode}); for per-token {mode} use level token")
+        raise ConfigError(f"--algo.advantage.is_correction_level {level} is a sequence gate and needs "
+                          f"--algo.advantage.is_correction_mode mask (got {mode}); for per-token {mode} use level "
+                          "token")
     if not 0 <= low < 1 < high:
-        raise ValueError(f"--algo.advantage.is_correction_threshold must satisfy 0 <= low < 1 < high, got {low} {high}")
+        raise ConfigError("--algo.advantage.is_correction_threshold must satisfy 0 <= low < 1 < high, "
+                          f"got {low} {high}")
 
 
 def is_weights(cfg: AdvantageConfig, old_logprobs: Tensor, rollout_logprobs: Tensor,

@@ -3,38 +3,18 @@
 
 from __future__ import annotations
 
-import ast
-import dataclasses
-import inspect
-import textwrap
-import typing
+from jsonargparse import ArgumentParser
 
-from instar.cli.main import COMMANDS
+from instar.cli.main import COMMANDS, command_parser
 from instar.config import ALIASES
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of a dataclass (and of its bases)."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__[:-1]):
-        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        body = tree.body[0].body
-        for node, after in zip(body, body[1:]):
-            documented = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-            if isinstance(node, ast.AnnAssign) and documented:
-                docs[node.target.id] = " ".join(str(after.value.value).split())
-    return docs
-
-
-def rows(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
-    hints, docs, out = typing.get_type_hints(cls), field_docs(cls), []
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            out += rows(hints[f.name], f"{prefix}{f.name}.")
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        out.append((f"--{prefix}{f.name}", repr(default), docs.get(f.name, "")))
-    return out
+def rows(parser: ArgumentParser) -> list[tuple[str, str, str]]:
+    """(flag, default, meaning) of each flag of a command's parser, as its `--help` has them (jsonargparse
+    reads the meaning from the docstring under each dataclass field)."""
+    meaning = {a.dest: a.help for a in parser._actions}
+    return [(f"--{flag}", repr(default), " ".join((meaning[flag] or "").split()))
+            for flag, default in parser.get_defaults().items() if flag != "config"]
 
 
 def reference() -> str:
@@ -50,7 +30,8 @@ def reference() -> str:
         listed[cls] = name
         lines += [f"## instar {name}", "", (cls.__doc__ or "").strip(), "", "| flag | default | meaning |",
                   "|---|---|---|"]
-        lines += [f"| `{flag}` | `{default}` | {doc.replace('|', '/')} |" for flag, default, doc in rows(cls)]
+        lines += [f"| `{flag}` | `{default}` | {doc.replace('|', '/')} |"
+                  for flag, default, doc in rows(command_parser(name, cls))]
         lines.append("")
     return "\n".join(lines)
 

@@ -200,15 +200,20 @@ COMMANDS: dict[str, tuple[type, Callable]] = {
 }
 
 
+def command_parser(name: str, cls: type) -> ArgumentParser:
+    """The parser of `instar NAME`: the fields of its config dataclass ``cls`` as flags, their docstrings as help."""
+    p = ArgumentParser(prog=f"instar {name}", description=(cls.__doc__ or "").strip())
+    p.add_argument("--config", action="config", help="YAML recipe; flags given after it override it")
+    p.add_class_arguments(cls, nested_key=None, as_group=False)
+    return p
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="instar", description="instar: agentic reinforcement learning for language models")
     parser.add_argument("--version", action="version", version=f"instar {__version__}")
     sub = parser.add_subcommands(dest="command")
     for name, (cls, _) in COMMANDS.items():
-        p = ArgumentParser(prog=f"instar {name}", description=(cls.__doc__ or "").strip())
-        p.add_argument("--config", action="config", help="YAML recipe; flags given after it override it")
-        p.add_class_arguments(cls, nested_key=None, as_group=False)
-        sub.add_subcommand(name, p, help=(cls.__doc__ or "").strip().split("\n")[0])
+        sub.add_subcommand(name, command_parser(name, cls), help=(cls.__doc__ or "").strip().split("\n")[0])
     return parser
 
 
@@ -249,7 +254,7 @@ def _normalise(argv: list[str]) -> list[str]:
                 argv[i + 1] = str(mapped).lower()
             arg = "--" + name + eq + value
             bare = not eq and (i + 1 == len(argv) or argv[i + 1].startswith("--"))
-            if bare and name.replace("-", "_").split(".")[-1] in flags:
+            if bare and name.split(".")[-1] in flags:
                 out += [arg, "true"]
                 continue
         out.append(arg)
@@ -272,30 +277,30 @@ def _value_alias(name: str, value: str) -> tuple[str, object]:
 
 
 def _recipe(path: str) -> str:
-    """A YAML recipe's text with aliased keys renamed (jsonargparse reads YAML text as well as a path).
-    An alias keeps its parent section, so each key is renamed in place."""
-    def rename(tree: dict, prefix: str) -> dict:
-        out = {}
-        for key, value in tree.items():
-            path = f"{prefix}{key}"
-            if isinstance(value, dict) and _alias(path + ".") != path + ".":  # a renamed section
-                new = _alias(path + ".")
-                out[new[len(prefix):-1]] = rename(value, new)
-            else:
-                out[_alias(path)[len(prefix):]] = rename(value, path + ".") if isinstance(value, dict) else value
-        return out
-    tree = yaml.safe_load(Path(path).read_text()) or {}
-    moved = [*VALUE_ALIASES, *(old for old, new in ALIASES.items() if not old.endswith(".") and
-                               old.split(".")[0] != new.split(".")[0])]
-    for old in moved:  # section.key into another section (a value alias's value mapped)
-        section, key = old.split(".")
-        if isinstance(tree.get(section), dict) and key in tree[section]:
-            value = tree[section].pop(key)
-            new = ALIASES.get(old, old)
-            if old in VALUE_ALIASES:
-                new, value = _value_alias(old, str(value).lower())
-            tree.setdefault(new.split(".")[0], {})[new.split(".")[1]] = value
-    return yaml.safe_dump(rename(tree, ""), sort_keys=False)
+    """A YAML recipe's text with aliased keys renamed (jsonargparse reads YAML text as well as a path): each
+    leaf's dotted key is renamed as the flag would be, so a key may move to another section."""
+    tree: dict = {}
+    for key, value in _leaves(yaml.safe_load(Path(path).read_text()) or {}):
+        key = _alias(key)
+        if key in VALUE_ALIASES:
+            key, value = _value_alias(key, str(value).lower())
+        *sections, leaf = key.split(".")
+        node = tree
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[leaf] = value
+    return yaml.safe_dump(tree, sort_keys=False)
+
+
+def _leaves(tree: dict, prefix: str = "") -> typing.Iterator[tuple[str, object]]:
+    """(dotted key, value) of each leaf of a YAML tree."""
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, f"{prefix}{key}.")
+        elif isinstance(value, dict):  # an empty section keeps its (aliased) name
+            yield _alias(f"{prefix}{key}.")[:-1], value
+        else:
+            yield f"{prefix}{key}", value
 
 
 def _bool_flags() -> set[str]:

@@ -23,7 +23,6 @@ from instar.config import ConfigError
 from instar.contract import ContractError, ImageInputs
 from instar.data.chat import Message
 
-IMAGE_TYPES = ("image", "image_url")
 CACHED_IMAGES = 512  # processed images kept per process: a group's samples and a session's turns share them
 
 
@@ -32,10 +31,8 @@ def data_url(image: Any, base_dir: str | Path | None = None, where: str = "image
     (relative to ``base_dir``). Anything unreadable is a `ConfigError` naming ``where``."""
     if isinstance(image, str) and image.startswith("data:"):
         return image
-    if isinstance(image, dict) and image.get("bytes"):  # a `datasets` Image column's record
-        image = image["bytes"]
-    elif isinstance(image, dict) and image.get("path"):
-        image = image["path"]
+    if isinstance(image, dict):  # a `datasets` Image column's record
+        image = image.get("bytes") or image.get("path") or image
     if isinstance(image, (bytes, bytearray)):
         return _png_url(_open(bytes(image), where))
     if isinstance(image, str):
@@ -101,7 +98,7 @@ def normalise(messages: list[Message], base_dir: str | Path | None = None, where
 
 
 def _is_image(part: Any) -> bool:
-    return isinstance(part, dict) and part.get("type") in IMAGE_TYPES
+    return isinstance(part, dict) and part.get("type") in ("image", "image_url")
 
 
 def _source(part: dict) -> Any:
@@ -179,15 +176,10 @@ class Vision:
         """``ids`` as the chat template wrote them (one placeholder per image) with each placeholder
         repeated once per merged patch of its image, and the images' inputs."""
         images = [self.encode(u) for u in urls]
-        slots = [i for i, t in enumerate(ids) if t == self.token_id]
-        if len(slots) != len(images):
-            raise ContractError(f"the chat template wrote {len(slots)} image placeholders for {len(images)} images")
-        out: list[int] = []
-        at = 0
-        for slot, image in zip(slots, images):
-            out += ids[at:slot] + [self.token_id] * image.counts[0]
-            at = slot + 1
-        return out + ids[at:], images
+        if (slots := ids.count(self.token_id)) != len(images):
+            raise ContractError(f"the chat template wrote {slots} image placeholders for {len(images)} images")
+        counts = iter(image.counts[0] for image in images)
+        return [t for t in ids for _ in range(next(counts) if t == self.token_id else 1)], images
 
     def pictures(self, images: ImageInputs) -> list[Any]:
         """The images back as PIL pictures, as the model sees them (resized), from their patches: the

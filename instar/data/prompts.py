@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from instar.config import DataConfig
+from instar.data.chat import prompt_messages
 from instar.data.images import data_url, normalise
 from instar.data.records import read_records, without_nulls
 
@@ -44,16 +45,11 @@ def load_prompts(source: str, cfg: DataConfig, split: str | None = None,
 
 def _to_prompt(index: int, record: dict[str, Any], cfg: DataConfig, base: Path | None = None) -> Prompt:
     value = without_nulls(record[cfg.input_key])
-    if isinstance(value, str):
-        messages = [{"role": "user", "content": value}]
-    elif isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value):
-        messages = list(value)
-    else:
+    chat = isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
+    if not (isinstance(value, str) or chat):
         raise ValueError(f"prompt {index}: {cfg.input_key!r} must be a string or a list of chat messages, "
                          f"got {type(value).__name__}")
-    if cfg.system_prompt and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
-    messages = normalise(messages, base, f"prompt {index}")
+    messages = normalise(prompt_messages(value, cfg.system_prompt or None), base, f"prompt {index}")
     images = without_nulls(record.get(cfg.image_key))
     if images is not None:
         if not isinstance(images, list):

@@ -91,34 +91,36 @@ def build_tiny_model(out_dir: str | Path, spec: TinySpec | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec)
     tokenizer.save_pretrained(out)
+    torch.manual_seed(spec.seed)
+    model = build_vlm(spec, tokenizer) if spec.vlm else build_model(spec, tokenizer)
+    # Sampling defaults must come from instar's SamplingParams, never from the checkpoint.
+    model.generation_config.do_sample = False
+    model.save_pretrained(out)
     if spec.vlm:
-        build_vlm(spec, tokenizer).save_pretrained(out)
         image_processor(spec).save_pretrained(out)
-    else:
-        build_model(spec, tokenizer).save_pretrained(out)
     (out / "instar_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=1, sort_keys=True) + "\n")
     return out
 
 
+def _decoder(spec: TinySpec, tokenizer) -> dict:
+    """The decoder's config, the same in the text and the vision-language model."""
+    pad, eos = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    return dict(vocab_size=len(tokenizer), hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+                num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+                head_dim=spec.head_dim, max_position_embeddings=4096, bos_token_id=pad, eos_token_id=eos,
+                pad_token_id=pad, dtype="float32")
+
+
 def build_model(spec: TinySpec, tokenizer) -> torch.nn.Module:
+    """Random init from the torch seed the caller set."""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")}
-    common = dict(vocab_size=len(tokenizer), hidden_size=spec.hidden, num_hidden_layers=spec.layers,
-                  num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim,
-                  max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=ids["<|endoftext|>"],
-                  eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], dtype="float32")
-    torch.manual_seed(spec.seed)
+    common = dict(_decoder(spec, tokenizer), tie_word_embeddings=True)
     if spec.moe:
-        config = Qwen3MoeConfig(intermediate_size=spec.intermediate, moe_intermediate_size=spec.intermediate,
-                                num_experts=spec.experts, num_experts_per_tok=spec.top_k, decoder_sparse_step=1,
-                                norm_topk_prob=True, **common)
-        model = Qwen3MoeForCausalLM(config)
-    else:
-        model = Qwen3ForCausalLM(Qwen3Config(intermediate_size=spec.intermediate, **common))
-    # Sampling defaults must come from instar's SamplingParams, never from the checkpoint.
-    model.generation_config.do_sample = False
-    return model.eval()
+        config = Qwen3MoeConfig(moe_intermediate_size=spec.intermediate, num_experts=spec.experts,
+                                num_experts_per_tok=spec.top_k, decoder_sparse_step=1, norm_topk_prob=True, **common)
+        return Qwen3MoeForCausalLM(config)
+    return Qwen3ForCausalLM(Qwen3Config(**common))
 
 
 def build_vlm(spec: TinySpec, tokenizer) -> torch.nn.Module:
@@ -127,15 +129,11 @@ def build_vlm(spec: TinySpec, tokenizer) -> torch.nn.Module:
     first block's features added to the decoder's hidden states after its first layer)."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>", *VISION_TOKENS)}
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     half = spec.head_dim // 2  # rotary frequencies split over (time, height, width), as Qwen3-VL's 24/20/20 of 64
     section = [half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16]
-    text = dict(vocab_size=len(tokenizer), hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-                num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-                head_dim=spec.head_dim, max_position_embeddings=4096, bos_token_id=ids["<|endoftext|>"],
-                eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], dtype="float32",
-                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": section,
-                                 "mrope_interleaved": True})
+    text = dict(_decoder(spec, tokenizer), rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                            "mrope_section": section, "mrope_interleaved": True})
     vision = dict(depth=spec.vision_layers, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
                   num_heads=spec.heads, patch_size=spec.patch_size, spatial_merge_size=2, temporal_patch_size=2,
                   out_hidden_size=spec.hidden, deepstack_visual_indexes=[0],
@@ -143,10 +141,7 @@ def build_vlm(spec: TinySpec, tokenizer) -> torch.nn.Module:
     config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
                            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
-    torch.manual_seed(spec.seed)
-    model = Qwen3VLForConditionalGeneration(config)
-    model.generation_config.do_sample = False
-    return model.eval()
+    return Qwen3VLForConditionalGeneration(config)
 
 
 def image_processor(spec: TinySpec):

@@ -101,8 +101,3 @@ def parser_named(name: str) -> ToolParser:
     if name not in PARSERS:
         raise ValueError(f"unknown tool parser {name!r}: one of {', '.join(PARSERS)}")
     return PARSERS[name]
-
-
-def parse_tool_calls(text: str, parser: str = "hermes") -> tuple[str, list[dict]]:
-    """Split sampled text into (content, tool calls) in the named format."""
-    return parser_named(parser).split(text)

@@ -3,6 +3,5 @@
 from instar.engines.embedded import EmbeddedEngine
 from instar.engines.protocol import Engine, EngineLoad, PauseMode
 from instar.engines.router import Router
-from instar.engines.sampling import LogprobsMode, filter_logits, sample
 
-__all__ = ["EmbeddedEngine", "Engine", "EngineLoad", "LogprobsMode", "PauseMode", "Router", "filter_logits", "sample"]
+__all__ = ["EmbeddedEngine", "Engine", "EngineLoad", "PauseMode", "Router"]

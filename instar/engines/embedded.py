@@ -78,7 +78,7 @@ class EmbeddedEngine:
         self._previous: tuple[nn.Module, int] | None = None  # (model, version) the `previous` requests run on
         self._spare: nn.Module | None = None  # a model the next drained update loads into
         self._task: asyncio.Task | None = None
-        self._wake: asyncio.Event | None = None
+        self._wake = asyncio.Event()  # set when there is work for the scheduler
         self._error: BaseException | None = None
         self._closed = False
         self._weight_group = None
@@ -111,13 +111,13 @@ class EmbeddedEngine:
                        session_id: str | None = None, images: ImageInputs | None = None) -> Generation:
         """Sample one turn after ``prompt_token_ids``; see `instar.engines.sampling` for which logprob."""
         # a cancelled caller cancels the future; the scheduler then drops the request
-        return await self._submit(prompt_token_ids, sampling_params, session_id, images=images).future
+        return await self._submit(prompt_token_ids, sampling_params, session_id, images).future
 
     async def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                      session_id: str | None = None, images: ImageInputs | None = None,
                      ) -> AsyncIterator[Sampled | Generation]:
         """`generate`, yielding each step's new tokens as the scheduler samples them."""
-        request = self._submit(prompt_token_ids, sampling_params, session_id, asyncio.Event(), images)
+        request = self._submit(prompt_token_ids, sampling_params, session_id, images)
         sent = 0
         try:
             while True:
@@ -134,7 +134,7 @@ class EmbeddedEngine:
             request.future.cancel()  # a no-op once finished; else the scheduler drops the request
 
     def _submit(self, prompt_token_ids: list[int], sampling_params: SamplingParams, session_id: str | None,
-                progress: asyncio.Event | None = None, images: ImageInputs | None = None) -> Request:
+                images: ImageInputs | None = None) -> Request:
         check_prompt(prompt_token_ids, text_config(self.model).vocab_size, self.max_model_len,
                      "max_position_embeddings")
         if images is not None and not self._vision:
@@ -142,7 +142,7 @@ class EmbeddedEngine:
         self._start()
         generator = None if sampling_params.seed is None else torch.Generator().manual_seed(sampling_params.seed)
         request = Request(list(prompt_token_ids), len(prompt_token_ids), sampling_params, session_id, generator,
-                          asyncio.get_running_loop().create_future(), progress=progress)
+                          asyncio.get_running_loop().create_future())
         if images is not None:
             attach_images(request, images)
         self._queue.append(request)
@@ -168,8 +168,7 @@ class EmbeddedEngine:
 
     async def resume(self) -> None:
         self._paused, self._draining = False, False
-        if self._wake is not None:
-            self._wake.set()
+        self._wake.set()
 
     async def sleep(self) -> None:
         self.stats["sleeps"] += 1  # its memory is the host's, which the trainer shares anyway: nothing to free
@@ -227,7 +226,6 @@ class EmbeddedEngine:
         if self._error is not None:
             raise RuntimeError(f"the embedded engine's scheduler failed earlier: {self._error!r}") from self._error
         if self._task is None:
-            self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def _loop(self) -> None:
@@ -247,8 +245,7 @@ class EmbeddedEngine:
             for request in [*self._running, *self._queue]:
                 if not request.future.done():
                     request.future.set_exception(error)
-                if request.progress is not None:
-                    request.progress.set()
+                request.progress.set()
 
     @torch.inference_mode()
     def _step(self) -> None:
@@ -269,9 +266,9 @@ class EmbeddedEngine:
                 leader = leaders.setdefault(tuple(request.identity(request.prompt_len)), request)
                 if leader is not request:
                     twins.append((request, leader, leader.slot))
-        waiting = {id(r) for r, _, _ in twins}
+        waiting = {request for request, _, _ in twins}
         for group in self._forward_groups():
-            if group := [r for r in group if id(r) not in waiting] if waiting else group:
+            if group := [r for r in group if r not in waiting]:
                 self._run(group)
         self._cache.copy([(source, request.slot, request.prompt_len - 1) for request, _, source in twins])
         for request, leader, _ in twins:  # fed from the last prompt token on, at the next step
@@ -323,11 +320,10 @@ class EmbeddedEngine:
         batch = make_batch(self._cache, new, [r.slot for r in group], [r.cached for r in group], rope, images,
                            shared_prompts(group))
         logits, routed = forward(model, self._cache, batch, self.accelerator)
-        offset = 0
-        for request, ids in zip(group, new):
-            if routed is not None:
-                request.record_routing(routed[offset: offset + len(ids)])
-            offset += len(ids)
+        if routed is not None:
+            for request, rows in zip(group, routed.split([len(ids) for ids in new])):
+                request.record_routing(rows)
+        for request in group:
             request.cached = len(request.ids)
         live = [row for row, r in enumerate(group) if r.finish_reason is None]
         for request in group:
@@ -344,8 +340,7 @@ class EmbeddedEngine:
             request.ids.append(token)
             request.logprobs.append(logprob)
             request.versions.append(version)
-            if request.progress is not None:
-                request.progress.set()
+            request.progress.set()
             if token in request.params.stop_token_ids:
                 request.finish_reason = "stop"
             elif request.num_sampled >= request.params.max_tokens or len(request.ids) >= self.max_model_len:
@@ -364,8 +359,7 @@ class EmbeddedEngine:
             self._queue.remove(request)
         if not request.future.done():
             request.future.set_result(request.generation(self._routing_shape))
-        if request.progress is not None:
-            request.progress.set()
+        request.progress.set()
 
     @torch.inference_mode()
     def _save_prefix(self, request: Request) -> None:

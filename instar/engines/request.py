@@ -27,7 +27,7 @@ class Request:
     versions: list[int] = field(default_factory=list)
     routed: list[torch.Tensor] = field(default_factory=list)  # (moe_layers, top_k) per routed sampled token
     finish_reason: str | None = None
-    progress: asyncio.Event | None = None  # streamed requests: set on each sampled token and when finished
+    progress: asyncio.Event = field(default_factory=asyncio.Event)  # set on each sampled token and when finished
     previous: bool = False  # started before the weights now in use: it finishes on the previous model (drain)
     images: ImageInputs | None = None
     keys: list[int] | None = None  # the prompt's identity: its ids, image tokens by content (`ImageInputs.keys`)

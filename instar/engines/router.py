@@ -49,19 +49,8 @@ class Router:
 
     @contextlib.asynccontextmanager
     async def _placed(self, session_id: str | None) -> AsyncIterator[Sampler]:
-        """The engine of one request, counted in flight while it runs."""
-        index = await self._place(session_id)
-        try:
-            yield self.engines[index]
-        except Exception:
-            if session_id is not None and self.sessions.get(session_id) == index:
-                del self.sessions[session_id]  # its engine may be gone: a retry goes to a live one
-            raise
-        finally:
-            self._in_flight[index] -= 1
-
-    async def _place(self, session_id: str | None) -> int:
-        """The session's engine, or the least-loaded one; counts the request as in flight there."""
+        """The engine of one request: the session's engine, or the least-loaded one; the request is counted in
+        flight there while it runs."""
         index = self.sessions.get(session_id) if session_id is not None else None
         if index is None:
             # a lone engine is not asked: there is nothing to choose, and asking costs a round trip per rollout
@@ -75,7 +64,14 @@ class Router:
             if session_id is not None:  # a concurrent first request of the same session may have won
                 index = self.sessions.setdefault(session_id, index)
         self._in_flight[index] += 1
-        return index
+        try:
+            yield self.engines[index]
+        except Exception:
+            if session_id is not None and self.sessions.get(session_id) == index:
+                del self.sessions[session_id]  # its engine may be gone: a retry goes to a live one
+            raise
+        finally:
+            self._in_flight[index] -= 1
 
     async def _loads(self) -> list[EngineLoad | None]:
         """Each engine's load; None for one that cannot answer."""

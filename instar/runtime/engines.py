@@ -102,8 +102,7 @@ class EngineActor:
     async def _serving(self) -> None:
         """Before a request: refuse it on a restarted engine; hold it while announced weights are on their way."""
         self._check_serving()
-        if not self.weights_ready.is_set():
-            await self.weights_ready.wait()
+        await self.weights_ready.wait()  # returns at once, without a turn of the loop, when they are here
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        session_id: str | None = None, images: ImageInputs | None = None) -> Generation:
@@ -121,23 +120,18 @@ class EngineActor:
         that ended meanwhile (`release`), first."""
         await self._serving()
         self.release(*released)
-        here = asyncio.get_running_loop()
-        finished: asyncio.Queue = asyncio.Queue()
-        pending: dict[str, concurrent.futures.Future] = {}
+        pending: dict[asyncio.Future, str] = {}  # each request on this loop, and its key
         for key, *args in requests:
-            future = asyncio.run_coroutine_threadsafe(self.engine.generate(*args), self.loop)
-            future.add_done_callback(lambda f, key=key: here.call_soon_threadsafe(finished.put_nowait, (key, f)))
-            pending[key] = self.requests[key] = future
+            self.requests[key] = asyncio.run_coroutine_threadsafe(self.engine.generate(*args), self.loop)
+            pending[asyncio.wrap_future(self.requests[key])] = key
         try:
             while pending:
-                done = [await finished.get()]
+                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 if len(pending) > 1:  # more to come: what finishes in the next engine steps goes in this item
                     await asyncio.sleep(ITEM_GATHER_SECONDS)
-                while not finished.empty():
-                    done.append(finished.get_nowait())
                 item = []
-                for key, future in done:
-                    del pending[key]
+                for future in [f for f in pending if f.done()]:
+                    key = pending.pop(future)
                     self.requests.pop(key, None)
                     if not future.cancelled():  # aborted: nobody waits for it
                         error = future.exception()
@@ -145,7 +139,7 @@ class EngineActor:
                 if item:
                     yield item
         finally:
-            for key, future in pending.items():
+            for future, key in pending.items():
                 self.requests.pop(key, None)
                 future.cancel()
 
@@ -289,14 +283,13 @@ class RemoteEngine:
             _settle(answer, error)
 
     async def _many(self, requests: list[tuple], released: tuple[str, ...]) -> None:
-        keys = [r[0] for r in requests]
         try:
             async for ref in self.handle.generate_many.remote(requests, released):
                 for key, result in await ref:
                     if (answer := self._sent.pop(key, None)) is not None:
                         _settle(answer, result)
         except Exception as error:  # the actor died, or refused the whole call
-            for key in keys:
+            for key, *_ in requests:
                 if (answer := self._sent.pop(key, None)) is not None:
                     _settle(answer, error)
 

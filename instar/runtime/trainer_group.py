@@ -63,12 +63,12 @@ class _Rank(TrainWorker):
 
 
 class TrainerGroup:
-    def __init__(self, ranks: list[Any], checkpoints: str) -> None:
+    def __init__(self, ranks: list[Any], checkpoints: str, data_size: int, share_prefix: bool) -> None:
         """``checkpoints``: the run's checkpoint directory, named when a rank dies."""
         self.ranks, self.checkpoints = ranks, checkpoints
         self.broken = False  # a call failed: ranks may be stuck in a collective, shutdown kills them
-        self.data_size = len(ranks)  # ranks that see different samples (--fsdp.num_ranks / (tp x cp))
-        self.share_prefix = False  # shard so that a group's samples stay together (--train.share_prefix)
+        self.data_size = data_size  # ranks that see different samples (--fsdp.num_ranks / (tp x cp))
+        self.share_prefix = share_prefix  # shard so that a group's samples stay together (--train.share_prefix)
 
     @classmethod
     async def start(cls, cfg: RLConfig | SFTConfig, ref_path: str | None = None, critic: bool = False,
@@ -81,14 +81,12 @@ class TrainerGroup:
         themselves only."""
         slots = slots or plan(nodes(), 0, 0, cfg.fsdp.num_ranks).ranks
         actor = ray.remote(_Rank)
-        critic_cfg = getattr(cfg, "critic", None) if critic else None
+        critic_cfg = cfg.critic if critic else None  # only an RLConfig has a critic section
         ranks = [actor.options(**ray_options(s)).remote(
             cfg.actor, cfg.fsdp, cfg.train, critic_cfg, ref_path, cfg.cpu, cpu_share=s.cpu_share,
             idle_share=sum(o.node_id == s.node_id for o in slots), generation=generation) for s in slots]
         addr, port = await ranks[0].address.remote()
-        group = cls(ranks, os.path.join(cfg.ckpt.output_dir, "checkpoints"))
-        group.data_size = cfg.fsdp.data_size
-        group.share_prefix = getattr(getattr(cfg, "train", None), "share_prefix", False)
+        group = cls(ranks, os.path.join(cfg.ckpt.output_dir, "checkpoints"), cfg.fsdp.data_size, cfg.train.share_prefix)
         await group._all("init", *[(r, len(ranks), addr, port) for r in range(len(ranks))])
         return group
 

@@ -34,10 +34,6 @@ class Segments:
     def shared(self) -> bool:
         return any(self.context)
 
-    def kwargs(self) -> dict[str, Any]:
-        """The attention keyword argument that carries it through the model to `packed_attention`."""
-        return {"instar_segments": self}
-
     def padded(self, n: int) -> Segments:
         """The row extended to ``n`` tokens by one more segment (padding no real token sees)."""
         if n == self.bounds[-1]:
@@ -80,7 +76,7 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         rows = len(lengths) * width
         # whole tokens (all heads) move as one row each: gathering a head's 32 floats at a time from the
         # [heads, N, d] view, with an accumulating scatter backward, took ~20 of a demo-sized update's ~330 ms
-        q, k, v = (_ToPadded.apply(t[0].transpose(0, 1).reshape(t.shape[2], -1), slots, rows)
+        q, k, v = (_to_padded(t[0].transpose(0, 1).reshape(t.shape[2], -1), slots, rows)
                    .view(len(lengths), width, t.shape[1], t.shape[3]) for t in (query, key, value))
         out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), **kw).transpose(1, 2)
         return _FromPadded.apply(out.reshape(rows, -1), slots).view(1, query.shape[2], query.shape[1], -1), None
@@ -97,18 +93,10 @@ def _padded_slots(bounds: tuple[int, ...]) -> torch.Tensor:
     return sequence * int(lengths.max()) + torch.arange(bounds[-1]) - starts[sequence]
 
 
-class _ToPadded(torch.autograd.Function):
-    """``x [N, F]`` into a zero ``[rows, F]`` at the distinct ``slots``; the gradient gathers them back."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, slots: torch.Tensor, rows: int) -> torch.Tensor:
-        ctx.save_for_backward(slots)
-        return x.new_zeros(rows, x.shape[1]).index_copy_(0, slots.to(x.device), x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (slots,) = ctx.saved_tensors
-        return grad.index_select(0, slots.to(grad.device)), None, None
+def _to_padded(x: torch.Tensor, slots: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x [N, F]`` into a zero ``[rows, F]`` at the distinct ``slots``; autograd's gradient of the in-place
+    copy gathers them back (`index_copy`'s backward: an index_select, nothing accumulates)."""
+    return x.new_zeros(rows, x.shape[1]).index_copy_(0, slots.to(x.device), x)
 
 
 class _FromPadded(torch.autograd.Function):

@@ -84,17 +84,13 @@ class MicroBatch:
     @property
     def attention_kwargs(self) -> dict | None:
         """What attention needs beyond ``position_ids``: None for a plain row (its bounds are where the
-        positions restart), the segments for a shared one."""
-        return self.segments.kwargs() if self.segments.shared else None
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[1]
+        positions restart), the segments for a shared one (the keyword that carries them through the model to
+        `packed_attention`)."""
+        return {"instar_segments": self.segments} if self.segments.shared else None
 
     def unpack(self, per_position: Tensor) -> Tensor:
         """A ``[N]`` next-token quantity of the row as ``[B, T]`` aligned with token_ids."""
-        return torch.where(self.valid, per_position[self.gather], torch.zeros((), dtype=per_position.dtype,
-                                                                              device=per_position.device))
+        return torch.where(self.valid, per_position[self.gather], 0)
 
     def split(self, unpacked: Tensor) -> list[Tensor]:
         """``[B, T]`` back to one 1-D tensor per sample, in row order (see ``indices``)."""

@@ -10,7 +10,7 @@ divides each rank's query heads (key/value heads that do not divide are repeated
 
 The model code knows none of this: `apply_context_parallel` swaps its attention implementation, and
 the worker feeds each rank its chunk (`split_row`) and sums the per-position results over the cp ranks
-(`sum_over_chunks`), so every cp rank holds the whole row's logprobs and computes the whole loss.
+(`SumOverChunks`), so every cp rank holds the whole row's logprobs and computes the whole loss.
 """
 
 from __future__ import annotations
@@ -29,17 +29,14 @@ from instar.train.attention import Segments, packed_attention, registered
 ULYSSES = "instar_ulysses"
 
 
-def apply_context_parallel(model: nn.Module, cp: int, tp: int, choice: str) -> None:
+def apply_context_parallel(model: nn.Module, cp: int, choice: str) -> None:
     """Run ``model``'s attention through `ulysses_attention`, in place (``choice``: --fsdp.attn_implementation),
-    which attends with the packed-row attention the model had (`packed_attention`, or a registered one)."""
+    which attends with the packed-row attention the model had (`packed_attention`, or a registered one). That cp
+    divides each tp rank's heads is checked before (`instar.checks.check_layout`, in `parallelize`)."""
     from transformers import AttentionInterface
     if choice not in ("auto", "packed"):
         raise ValueError(f"--fsdp.cp_size {cp} runs packed attention over each whole row; --fsdp.attn_implementation "
                          f"{choice} cannot run there: set --fsdp.attn_implementation packed (or auto)")
-    heads = model.config.num_attention_heads
-    if heads % (tp * cp):
-        raise ValueError(f"--fsdp.cp_size {cp} must divide each tp rank's {heads // tp} attention heads "
-                         f"({heads} / --fsdp.tp_size {tp}); use a cp size that does")
     impl = model.config._attn_implementation
     inner = registered(impl)
     name = ULYSSES if inner is None else f"{ULYSSES}_{impl}"
@@ -80,10 +77,6 @@ class Chunk:
     attention: dict[str, Any]  # the cp group and the row's segments, for `ulysses_attention`
     start: int
     row_length: int  # of the padded row
-
-    def spread(self, values: Tensor) -> Tensor:
-        """Values for this chunk's wanted positions ``[M']`` at their place among all ``[M]`` (zeros elsewhere)."""
-        return torch.zeros(self.mine.shape, dtype=values.dtype, device=values.device).masked_scatter(self.mine, values)
 
     def spread_row(self, values: Tensor) -> Tensor:
         """The chunk's ``[L]`` per-position values at their place in an ``[cp L]`` row of zeros."""
@@ -130,7 +123,3 @@ class SumOverChunks(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         return grad, None
-
-
-def sum_over_chunks(part: Tensor, group: dist.ProcessGroup) -> Tensor:
-    return SumOverChunks.apply(part, group)

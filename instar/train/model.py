@@ -98,18 +98,6 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     hf[0].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def packing_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
-    """Where the sequences of a packed row ``[1, N]`` start (``position_ids`` restart at 0), in the
-    varlen form that `packed_attention` and transformers' flash-attention path both read. The bounds
-    are on the host: `packed_attention` reads them in every layer, which on a GPU tensor would be a
-    device sync per layer."""
-    pos = position_ids[0].cpu()
-    starts = (pos == 0).nonzero().flatten()
-    cu = torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
-    longest = int((cu[1:] - cu[:-1]).max())
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
-
-
 def forward_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                    positions: torch.Tensor | None = None, attention_kwargs: dict[str, Any] | None = None,
                    images: ImageInputs | None = None, rope: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,13 +120,20 @@ def forward_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torc
 
 
 def _bounds_for(model: nn.Module, position_ids: torch.Tensor) -> dict[str, Any]:
+    """Where the sequences of a packed row ``[1, N]`` start (``position_ids`` restart at 0), in the varlen form
+    that `packed_attention` and transformers' flash-attention path both read; nothing for other attentions
+    (transformers builds their mask from ``position_ids``). For ours the bounds stay on the host: it reads them
+    in every layer, which on a GPU tensor would be a device sync per layer."""
     impl = str(getattr(model.config, "_attn_implementation", ""))
-    if packed_rows(impl):
-        return packing_kwargs(position_ids)
+    if not (packed_rows(impl) or impl.startswith("flash_attention")):
+        return {}
+    pos = position_ids[0].cpu()
+    starts = (pos == 0).nonzero().flatten()
+    cu = torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
     if impl.startswith("flash_attention"):  # its varlen kernel takes the bounds on the device
-        return {k: v.to(position_ids.device) if torch.is_tensor(v) else v
-                for k, v in packing_kwargs(position_ids).items()}
-    return {}
+        cu = cu.to(position_ids.device)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
 def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,

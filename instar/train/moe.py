@@ -21,15 +21,10 @@ def routers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
 
 
-def freeze_routers(model: nn.Module) -> int:
-    """--actor.freeze_moe_router: router weights get no gradient and no optimizer state. Returns the
-    number of parameters frozen (0 for a dense model)."""
-    frozen = 0
+def freeze_routers(model: nn.Module) -> None:
+    """--actor.freeze_moe_router: router weights get no gradient and no optimizer state (a dense model has none)."""
     for r in routers(model):
-        for p in r.parameters():
-            p.requires_grad_(False)
-            frozen += 1
-    return frozen
+        r.requires_grad_(False)
 
 
 @contextmanager

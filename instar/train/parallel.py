@@ -118,7 +118,7 @@ def parallelize(model: nn.Module, layout: Layout, fsdp: FSDPConfig) -> nn.Module
         apply_expert_parallel(model, layout.mesh["ep"])
         expert_mesh = layout.fsdp_mesh(("dp", "cp"))  # the data ranks that hold the same experts
     if layout.size("cp") > 1:
-        apply_context_parallel(model, layout.size("cp"), layout.size("tp"), fsdp.attn_implementation)
+        apply_context_parallel(model, layout.size("cp"), fsdp.attn_implementation)
     if fsdp.activation_checkpointing:
         enable_activation_checkpointing(model)
     if fsdp.compile:

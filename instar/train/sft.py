@@ -91,7 +91,7 @@ def _sft_rank(rank: int, world: int, port: int, cfg: SFTConfig) -> dict[str, flo
                 order = list(range(len(train)))
                 random.Random(cfg.actor.seed + epoch).shuffle(order)
             batch = [train[i] for i in order[k * cfg.sft.batch_size:(k + 1) * cfg.sft.batch_size]]
-            metrics = {"epoch": epoch, **worker.train_step(batch, sft_loss)}
+            metrics = {"epoch": epoch, **worker.train_policy(batch, sft_loss).metrics}
             last = step + 1 == total
             if held_out and (last or (cfg.sft.eval_steps and (step + 1) % cfg.sft.eval_steps == 0)):
                 metrics["eval/loss"] = eval_loss(worker, held_out)

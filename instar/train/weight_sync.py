@@ -34,7 +34,6 @@ ALIGN = 64  # a tensor's offset in its bucket: any dtype can then view its bytes
 class SyncGroup:
     pg: dist.ProcessGroup
     rank: int
-    world_size: int
     device: str
     store: dist.TCPStore  # kept alive with the group
     buffer: Tensor | None = None
@@ -66,15 +65,7 @@ def open_sync_group(master_addr: str, master_port: int, rank: int, world_size: i
         pg = dist.ProcessGroupNCCL(prefixed, rank, world_size)
     else:
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    return SyncGroup(pg=pg, rank=rank, world_size=world_size, device=device, store=store)
-
-
-def hf_name(name: str) -> str:
-    """A trainer parameter name as the engine knows it: the HF name, without the prefixes that
-    wrappers (activation checkpointing, torch.compile, FSDP1) insert."""
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name
+    return SyncGroup(pg=pg, rank=rank, device=device, store=store)
 
 
 def _broadcast(group: SyncGroup, tensor: Tensor) -> Tensor:
@@ -99,25 +90,21 @@ def _send_bucket(group: SyncGroup, index: int, table: list[tuple], flat: Tensor,
     _broadcast(group, torch.tensor(header, dtype=torch.int64, device=group.device))
     if meta is not None:
         _broadcast(group, meta)
-        _keep_table(group, index, table)
+        group.tables[index:index + 1] = [table]
     if flat.numel():
         _broadcast(group, flat)
 
 
-def _keep_table(group: SyncGroup, index: int, table: list[tuple]) -> None:
-    group.tables[index:index + 1] = [table]
-
-
 def send_weights(named_params: Iterable[tuple[str, Tensor]], group: SyncGroup | None, bucket_mb: float = 256.0,
-                 name_map: Callable[[str], str] = hf_name, dtype: torch.dtype | None = None,
-                 background: bool = False) -> dict[str, float]:
+                 dtype: torch.dtype | None = None, background: bool = False) -> dict[str, float]:
     """Call on every trainer rank (gathering a sharded parameter is collective); only the rank that
     holds ``group`` (trainer rank 0) sends. At most one bucket buffer exists beyond the model (on CPU
     kept in ``group`` for the next sync): each gathered parameter is copied into it and dropped at
-    once. ``name_map`` turns trainer names into the engine's; ``dtype`` casts on the way (e.g. to the
-    engine's bfloat16), in the same copy. ``background``: when the whole model fits one bucket of a
-    CPU group, return once it is copied and broadcast it from a thread (the trainer computes meanwhile;
-    the copy is the policy of this moment); the next send, or ``group.wait_sent()``, waits for it."""
+    once. The names go as they are: sharding, compiling and recomputing the trainer's model keep its HF
+    parameter names. ``dtype`` casts on the way (e.g. to the engine's bfloat16), in the same copy.
+    ``background``: when the whole model fits one bucket of a CPU group, return once it is copied and
+    broadcast it from a thread (the trainer computes meanwhile; the copy is the policy of this moment);
+    the next send, or ``group.wait_sent()``, waits for it."""
     if group is not None:
         group.wait_sent()  # the previous background broadcast: its buffer is about to be reused
     start, sent, buckets = time.perf_counter(), 0, 0
@@ -144,7 +131,7 @@ def send_weights(named_params: Iterable[tuple[str, Tensor]], group: SyncGroup | 
             buffer = _buffer(group, max(cap, nbytes))
         # one copy: gathers a strided view, casts and moves to the group's device on the way
         buffer[offset:offset + nbytes].view(wire_dtype).view(full.shape).copy_(full.detach())
-        table.append((name_map(name), str(wire_dtype).removeprefix("torch."), tuple(full.shape), offset, nbytes))
+        table.append((name, str(wire_dtype).removeprefix("torch."), tuple(full.shape), offset, nbytes))
         used, sent = offset + nbytes, sent + nbytes
         del full
     if group is None:
@@ -186,7 +173,7 @@ def receive_weights(group: SyncGroup, reuse_buffer: bool = False) -> Iterator[tu
         meta_len, flat_len, last = header.tolist()
         if meta_len:
             meta = _broadcast(group, torch.empty(meta_len, dtype=torch.uint8, device=group.device))
-            _keep_table(group, index, pickle.loads(meta.cpu().numpy().tobytes()))
+            group.tables[index:index + 1] = [pickle.loads(meta.cpu().numpy().tobytes())]
         if flat_len:
             flat = _broadcast(group, _buffer(group, flat_len)[:flat_len] if reuse_buffer
                               else torch.empty(flat_len, dtype=torch.uint8, device=group.device))

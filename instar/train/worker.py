@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Collection, Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,7 +33,7 @@ from instar.train.batch import (
     right_pad,
     shard_samples,
 )
-from instar.train.context_parallel import chunk_rows, split_row, sum_over_chunks
+from instar.train.context_parallel import SumOverChunks, chunk_rows, split_row
 from instar.train.load import load_sharded
 from instar.train.model import forward_logits, token_logprobs
 from instar.train.moe import freeze_routers, replay_routes
@@ -80,7 +79,7 @@ class TrainWorker:
     def init(self, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
         """Join the process group, load and shard the models, build optimizers."""
         init_distributed(rank, world_size, master_addr, master_port)
-        self.rank, self.world_size, self.device = rank, world_size, device_type()
+        self.rank, self.device = rank, device_type()
         torch.manual_seed(self.actor.seed)
         self.layout: Layout = build_layout(self.fsdp)
         self.cp_group = self.layout.mesh["cp"].get_group() if self.layout.size("cp") > 1 else None
@@ -135,7 +134,7 @@ class TrainWorker:
 
     def _replay(self, model: nn.Module, mb: MicroBatch):
         if not self.train.routing_replay or model is not self.policy:
-            return nullcontext()
+            return contextlib.nullcontext()
         if mb.routed_experts is None:
             raise ValueError("--train.routing_replay is on but some samples carry no routed_experts; "
                              "the engine must record them for every sample (or turn routing replay off)")
@@ -160,20 +159,17 @@ class TrainWorker:
             c = split_row(mb.input_ids, mb.position_ids, mb.segments, self.cp_group, positions)
             logits = forward_logits(net, c.input_ids, c.position_ids, c.local, c.attention)
             logp, entropy = token_logprobs(logits, targets[c.mine], temperature, with_entropy)
-            logp, entropy = (None if v is None else sum_over_chunks(c.spread(v), self.cp_group)
+            logp, entropy = (None if v is None else SumOverChunks.apply(_spread(c.mine, v), self.cp_group)
                              for v in (logp, entropy))
-
-        def place(values: Tensor | None) -> Tensor | None:
-            return None if values is None else torch.zeros(select.shape, dtype=values.dtype,
-                                                           device=values.device).masked_scatter(select, values)
-        return place(logp), place(entropy)
+        return _spread(select, logp), _spread(select, entropy)
 
     def _row_values(self, mb: MicroBatch) -> Tensor:
         """The critic's value at each position of the row, like `_row_logprobs`."""
         if self.cp_group is None:
             return self.critic(mb.input_ids, mb.position_ids, mb.attention_kwargs)[0]
         c = split_row(mb.input_ids, mb.position_ids, mb.segments, self.cp_group)
-        return sum_over_chunks(c.spread_row(self.critic(c.input_ids, c.position_ids, c.attention)[0]), self.cp_group)
+        values = self.critic(c.input_ids, c.position_ids, c.attention)[0]
+        return SumOverChunks.apply(c.spread_row(values), self.cp_group)
 
     @torch.no_grad()
     def compute_logprobs(self, samples: list[Sample], temperature: float = 1.0, model: str = "policy") -> list[Tensor]:
@@ -183,23 +179,24 @@ class TrainWorker:
         if net is None:
             raise ValueError("no reference model loaded; start the trainer with a ref_path "
                              "(--algo.kl.coef > 0 or on_policy_distill)")
-        out: list[Tensor] = [torch.empty(0)] * len(samples)
-        for mb, repeat, _ in self._micro_batches(samples, None):
+
+        def logprobs(mb: MicroBatch) -> Tensor:
             with self._replay(net, mb):
-                logp, _ = self._row_logprobs(net, mb, temperature, mb.valid, with_entropy=False)
-            if not repeat:
-                for i, lp in zip(mb.indices, mb.split(logp)):
-                    out[i] = lp
-        return out
+                return self._row_logprobs(net, mb, temperature, mb.valid, with_entropy=False)[0]
+        return self._per_sample(samples, logprobs)
 
     @torch.no_grad()
     def compute_values(self, samples: list[Sample]) -> list[Tensor]:
         """Critic values per sample, aligned like logprobs: index t is V(tokens before t)."""
+        return self._per_sample(samples, lambda mb: mb.unpack(self._row_values(mb)))
+
+    def _per_sample(self, samples: list[Sample], rows: Callable[[MicroBatch], Tensor]) -> list[Tensor]:
+        """``rows(mb)`` (``[B, T]``) of every micro-batch of ``samples``, as one tensor per sample."""
         out: list[Tensor] = [torch.empty(0)] * len(samples)
-        for mb, repeat, _ in self._micro_batches(samples, None):
-            values = self._row_values(mb)
+        for mb, repeat, _ in self._micro_batches(samples):
+            values = rows(mb)
             if not repeat:
-                for i, v in zip(mb.indices, mb.split(mb.unpack(values))):
+                for i, v in zip(mb.indices, mb.split(values)):
                     out[i] = v
         return out
 
@@ -222,7 +219,7 @@ class TrainWorker:
         old: list[Tensor | None] = list(inputs.old_logprobs or [None] * len(samples))
         inputs = replace(inputs, old_logprobs=None)  # set per micro-batch below
         runs = [self._run_rows(update, set(forward_only or ())) for update in updates]
-        later = sorted(set().union(*runs[1:]) - set(runs[0])) if len(runs) > 1 else []
+        later = sorted(set().union(*runs[1:]) - set(runs[0]))
         captured: dict[int, Tensor] = {}  # this rank's old logprobs, shared with the others after update 0
         if later and any(old[i] is None for i in later):
             mine = self._share(samples, later)
@@ -245,11 +242,6 @@ class TrainWorker:
                         old[i] = lp
         return self._updates(self.policy, self.optimizer, self.scheduler, samples, inputs, updates, loss_of, "actor",
                              after_first_update, set(forward_only or ()))
-
-    def train_step(self, samples: list[Sample], loss_fn: LossFn, inputs: StepInputs | None = None,
-                   temperature: float = 1.0) -> dict[str, float]:
-        """One update on all of ``samples`` (the same on every rank); its metrics."""
-        return self.train_policy(samples, loss_fn, inputs, temperature).metrics
 
     def train_critic(self, samples: list[Sample], loss_fn: ValueLossFn, inputs: StepInputs,
                      updates: list[list[int]] | None = None) -> TrainStats:
@@ -387,3 +379,8 @@ class TrainWorker:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _spread(mask: Tensor, values: Tensor | None) -> Tensor | None:
+    """``values`` at the places ``mask`` picks, in a tensor of zeros of ``mask``'s shape."""
+    return None if values is None else values.new_zeros(mask.shape).masked_scatter(mask, values)

@@ -93,8 +93,8 @@ def make_worker(model_dir, rank: int, world: int, port: int, fsdp: dict, replay:
 
 def step(w: TrainWorker, samples: list[Sample]) -> dict[str, float]:
     """One PPO update on ``samples`` (advantage -1 / +1 by position)."""
-    lengths = [len(s.token_ids) for s in samples]
-    return w.train_step(samples, partial(rl_loss, rl_config(), 0.0), StepInputs(advantages=advantages(lengths)))
+    inputs = StepInputs(advantages=advantages([len(s.token_ids) for s in samples]))
+    return w.train_policy(samples, partial(rl_loss, rl_config(), 0.0), inputs).metrics
 
 
 def train_job(rank, world, port, model_dir, fsdp: dict, samples: list[Sample], ckpt_dir: str | None) -> dict:
