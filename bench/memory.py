@@ -7,7 +7,9 @@ vocab 151,936, tied embeddings; written once as a bfloat16 safetensors checkpoin
 `instar.train.parallel.apply_fsdp` on the meta model, `materialize` reading each rank's slices), in
 float32, then one AdamW step on a 64-token row. Per rank, above the RSS after imports: the peak, and
 the parameters + optimizer state still resident after the step (gradients released, freed heap
-pages handed back to the system), next to the bytes those tensors hold.
+pages handed back to the system), next to the bytes those tensors hold. Then the same on one rank with
+LoRA adapters of rank 16 on every linear layer (`--actor.lora_rank 16`): parameters + gradients +
+optimizer state against full training's.
 
 (b) The logprob pass (`next_token_logprobs` with entropy, forward + backward) on random bfloat16
 logits of 151,936 vocab: peak RSS above the logits' own, chunked against the plain autograd formula
@@ -65,14 +67,16 @@ def build_checkpoint(path: str) -> None:
     Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
 
 
-def rank_job(rank: int, world: int, port: int, path: str) -> dict[str, float]:
-    """Build, load and step on one of ``world`` ranks; what it measured."""
+def rank_job(rank: int, world: int, port: int, path: str, lora_rank: int = 0) -> dict[str, float]:
+    """Build, load and step on one of ``world`` ranks (with ``lora_rank``: LoRA adapters on every linear layer,
+    as `instar.train.load.load_sharded` builds them); what it measured."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from instar.config import FSDPConfig
+    from instar.config import ActorConfig, FSDPConfig
     from instar.train.load import materialize, meta_model
+    from instar.train.lora import apply_lora
     from instar.train.model import forward_logits, next_token_logprobs
     from instar.train.optim import build_optimizer
     from instar.train.parallel import apply_fsdp, init_distributed
@@ -82,6 +86,8 @@ def rank_job(rank: int, world: int, port: int, path: str) -> dict[str, float]:
     base = rss()
     start = time.perf_counter()
     model = meta_model(path, "float32", "packed")
+    if lora_rank:
+        apply_lora(model, ActorConfig(lora_rank=lora_rank, lora_alpha=2 * lora_rank))
     apply_fsdp(model, init_device_mesh("cpu", (world,)), FSDPConfig(num_ranks=world))
     stats = materialize(model, path, "cpu")
     load_s, loaded = time.perf_counter() - start, rss() - base
@@ -89,14 +95,15 @@ def rank_job(rank: int, world: int, port: int, path: str) -> dict[str, float]:
     ids = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(rank))
     logp, _ = next_token_logprobs(forward_logits(model, ids, torch.arange(64)[None]), ids)
     logp.mean().backward()
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    grads = sum(local(p.grad).nbytes for p in model.parameters() if p.grad is not None)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap pages back: what stays resident is held
-    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
     tensors = sum(local(p).nbytes for p in model.parameters()) + sum(
         local(v).nbytes for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim)
     out = {"peak": peak_rss() - base, "resident": rss() - base, "loaded": loaded, "tensors": tensors,
-           "read": stats.bytes, "load_s": load_s}
+           "read": stats.bytes, "load_s": load_s, "grads": grads}
     dist.destroy_process_group()
     return out
 
@@ -155,6 +162,13 @@ def main() -> None:
     state_ratio = worst[2]["resident"] / worst[1]["resident"]
     print(f"peak_rss_ratio={worst[2]['peak'] / worst[1]['peak']:.3f}")
     print(f"param_optimizer_ratio={state_ratio:.3f} (tensor bytes {worst[2]['tensors'] / worst[1]['tensors']:.3f})")
+    lora = run_ranks(rank_job, 1, path, 16, timeout=900)[0]
+    full = ranks[1][0]
+    print(f"LoRA rank 16 on every linear layer, 1 rank: params + optimizer resident +{lora['resident'] / MIB:,.0f} "
+          f"MiB (tensors {lora['tensors'] / MIB:,.0f} MiB, gradients {lora['grads'] / MIB:,.0f} MiB); full training: "
+          f"tensors {full['tensors'] / MIB:,.0f} MiB, gradients {full['grads'] / MIB:,.0f} MiB")
+    lora_ratio = (lora["tensors"] + lora["grads"]) / (full["tensors"] + full["grads"])
+    print(f"lora_state_ratio={lora_ratio:.3f} (resident after the step {lora['resident'] / full['resident']:.3f})")
     print(f"(a) took {time.perf_counter() - start:.0f} s")
     start_b = time.perf_counter()
     passes = {(n, kind): in_fresh_process("--pass", str(n), kind)
@@ -173,6 +187,8 @@ def main() -> None:
     print(f"logprob_peak_ratio={logprob_ratio:.3f}")
     print(f"goal params+optimizer per rank, 2 ranks <= 0.55 x 1 rank: {state_ratio:.3f} "
           f"{'PASS' if state_ratio <= 0.55 else 'FAIL'}")
+    print(f"goal LoRA rank 16 params+gradients+optimizer <= 0.35 x full training: {lora_ratio:.3f} "
+          f"{'PASS' if lora_ratio <= 0.35 else 'FAIL'}")
     print(f"goal chunked logprob peak <= 0.25 x unchunked at {args.tokens} tokens: {logprob_ratio:.3f} "
           f"{'PASS' if logprob_ratio <= 0.25 else 'FAIL'}")
     print(f"total {time.perf_counter() - start:.0f} s")

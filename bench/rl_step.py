@@ -33,6 +33,7 @@ median over rounds), one per configuration.
     OMP_NUM_THREADS=1 python bench/rl_step.py                          # 8 prompts x 8 samples x 48 tokens
     OMP_NUM_THREADS=1 python bench/rl_step.py --prompts 32 --new-tokens 256 --scale 10   # a 10x model
     OMP_NUM_THREADS=1 python bench/rl_step.py --modes async --rounds 5    # the median of 5 rounds
+    OMP_NUM_THREADS=1 python bench/rl_step.py --scale 10 --modes sync --lora-rank 16   # instar's update under LoRA
 """
 
 from __future__ import annotations
@@ -263,6 +264,7 @@ def instar_run(model_dir: str, prompts: str, agent: str, out: Path, args: argpar
     cfg.fsdp.compile = accelerated and args.trainer_compile
     cfg.train.forward_only_rows = args.forward_only_rows
     cfg.fsdp.mixed_precision = args.mixed_precision
+    cfg.actor.lora_rank, cfg.actor.lora_alpha = args.lora_rank, 2 * max(args.lora_rank, 1)
     with cpu_window(args.warmup, args.warmup + args.steps) as cpu:
         run(cfg)
     rows = [json.loads(line) for line in (out / f"run-{config}-{mode}/metrics.jsonl").read_text().splitlines()]
@@ -301,6 +303,8 @@ def main() -> None:
                    help="accelerated: --cpu.matmul (the trainer's float32 linear layers through oneDNN or the BLAS)")
     p.add_argument("--mixed-precision", default="float32", choices=["float32", "bfloat16"],
                    help="the training compute dtype: instar's --fsdp.mixed_precision, autocast in the bare loop")
+    p.add_argument("--lora-rank", type=int, default=0, help="instar trains LoRA adapters of this rank "
+                   "(--actor.lora_rank; the bare loop still trains every weight)")
     p.add_argument("--bare-threads", type=int, default=2, help="torch threads of the bare loop (0: torch's default)")
     p.add_argument("--rounds", type=int, default=1, help="instar's runs this many times, each between two runs of "
                    "the bare loop; rl_ratio: the median of the rounds' ratios (the details printed: the last round)")

@@ -11,7 +11,7 @@ from typing import Any
 
 from instar.algo.advantages import registered, token_level
 from instar.algo.is_correction import check_is_correction
-from instar.config import ConfigError, FSDPConfig, RLConfig
+from instar.config import ActorConfig, ConfigError, FSDPConfig, RLConfig
 
 
 def check(cfg: RLConfig) -> None:
@@ -40,6 +40,25 @@ def check(cfg: RLConfig) -> None:
         raise ConfigError(f"--actor.dual_clip must be > 1, got {actor.dual_clip}")
     _check_algo(cfg)
     _check_batches(cfg)
+    check_lora(actor, cfg.fsdp)
+
+
+def check_lora(actor: ActorConfig, fsdp: FSDPConfig) -> None:
+    """--actor.lora_*: values that can work, and the layouts LoRA has been proven in (data parallel)."""
+    if actor.lora_rank < 0:
+        raise ConfigError(f"--actor.lora_rank must be a positive integer (0 trains every weight), "
+                          f"got {actor.lora_rank}")
+    if actor.lora_rank == 0:
+        return
+    if actor.lora_alpha <= 0 or not 0 <= actor.lora_dropout < 1:
+        raise ConfigError(f"--actor.lora_alpha must be > 0 and --actor.lora_dropout in [0, 1), got "
+                          f"{actor.lora_alpha} and {actor.lora_dropout}")
+    for name in ("tp_size", "ep_size", "cp_size"):
+        if getattr(fsdp, name) > 1:
+            raise ConfigError(f"--actor.lora_rank runs with data-parallel FSDP only; set --fsdp.{name} 1 (or train "
+                              "without LoRA)")
+    if actor.model_backend != "hf":
+        raise ConfigError(f"--actor.lora_rank needs --actor.model_backend hf, got {actor.model_backend}")
 
 
 def _check_batches(cfg: RLConfig) -> None:

@@ -42,6 +42,22 @@ class ActorConfig:
     """Frozen reference (KL) or teacher (on_policy_distill) checkpoint; None reuses --actor.model_name_or_path."""
     seed: int = 42
     """Seed of the trainer's RNGs."""
+    lora_rank: int = 0
+    """Rank of LoRA adapters on the policy (built with PEFT); 0 trains every weight. With LoRA only the adapters
+    train, the engines sample the merged weights, and the reference (when it is the same checkpoint) is the
+    policy with its adapters off. MoE experts (fused 3-D weights) and the critic stay as they are: frozen, full."""
+    lora_alpha: int = 16
+    """LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input in training forwards."""
+    lora_target_modules: str | list[str] = "all-linear"
+    """Layers that get adapters: all-linear (every linear layer but the LM head, as in PEFT) or a list of module
+    names (e.g. [q_proj, v_proj])."""
+    lora_merged_export: bool = False
+    """With LoRA, HF exports (the run's hf/ folders) hold the merged full model instead of a PEFT adapter folder."""
+    lora_base_dtype: Literal["", "float32", "bfloat16"] = ""
+    """Dtype of the frozen base weights under LoRA (the adapters and their optimizer stay float32); empty:
+    --actor.dtype."""
 
 
 @dataclass

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from instar.train import lora
 from instar.train.model import load_tokenizer
 from instar.train.run_dir import fsync_dir
 
@@ -94,7 +95,8 @@ def load(path: str, models: Stateful) -> dict[str, Any]:
     state = _sharded_state(models)
     dcp.load(state, checkpoint_id=path)
     for name, (model, optimizer) in models.items():
-        set_state_dict(model, optimizer, model_state_dict=state[name]["model"], optim_state_dict=state[name]["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state[name]["model"], optim_state_dict=state[name]["optim"],
+                       options=_TRAINED)
     if meta["world_size"] == _world():
         _set_rng_state(torch.load(os.path.join(path, f"rng_rank{_rank()}.pt"), weights_only=False))
     return meta
@@ -127,9 +129,19 @@ def _save_synced(obj: Any, path: str) -> None:
         os.fsync(f.fileno())
 
 
+# A checkpoint holds what training changes: the trainable parameters (LoRA: the adapters) and their optimizer
+# state; frozen weights come from the model's own checkpoint when it is built. Loading asks DCP for exactly these.
+_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 def _sharded_state(models: Stateful) -> dict[str, Any]:
-    return {name: dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
-            for name, (model, optimizer) in models.items()}
+    out = {}
+    for name, (model, optimizer) in models.items():
+        weights, optim = get_state_dict(model, optimizer, options=_TRAINED)
+        # torch drops a frozen weight under its first name only: a tied head would still be saved
+        frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        out[name] = {"model": {k: v for k, v in weights.items() if k not in frozen}, "optim": optim}
+    return out
 
 
 def _prune(root: str, max_num: int) -> None:
@@ -165,14 +177,18 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def export_hf(model: nn.Module, out_dir: str, source: str) -> str:
+def export_hf(model: nn.Module, out_dir: str, source: str, merged: bool = False) -> str:
     """Write ``model`` as an HF checkpoint (``save_pretrained``, plus the tokenizer and any image processor of
-    the ``source`` model directory), loadable by transformers and vLLM; atomic like checkpoints. Collective
-    over the trainer ranks; rank 0 writes."""
+    the ``source`` model directory), loadable by transformers and vLLM; a LoRA model as a PEFT adapter folder
+    over ``source`` unless ``merged``. Atomic like checkpoints. Collective over the trainer ranks; rank 0 writes."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if _rank() == 0:
         tmp = out_dir.rstrip("/") + ".tmp"
-        model.save_pretrained(tmp, state_dict=full)
+        if hasattr(model, "instar_lora") and not merged:
+            lora.save_adapter(full, tmp, source, model)
+        else:
+            model.save_pretrained(tmp, state_dict=lora.merged_state(full, model) if hasattr(model, "instar_lora")
+                                  else full)
         load_tokenizer(source).save_pretrained(tmp)
         processor = os.path.join(source, "preprocessor_config.json")
         if os.path.isfile(processor):  # a vision-language model's image processor

@@ -24,7 +24,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from instar.checks import check_lora
 from instar.config import ActorConfig, CpuConfig, FSDPConfig
+from instar.train import lora
 from instar.train.attention import registered
 from instar.train.model import DTYPES, ValueModel, auto_model, load_model
 from instar.train.parallel import Layout, parallelize
@@ -42,6 +44,9 @@ def meta_model(path: str, dtype: str = "float32", attn: str = "auto", causal_lm:
     if not os.path.isdir(path):
         raise ValueError(f"{path} is not a local checkpoint directory; per-rank loading reads its safetensors "
                          "files: download the model first (hf download <repo> --local-dir <dir>)")
+    if os.path.exists(os.path.join(path, "adapter_config.json")):
+        raise ValueError(f"{path} is a LoRA adapter folder, not a model; export the run with "
+                         "--actor.lora_merged_export true to train on from it")
     config = AutoConfig.from_pretrained(path)
     auto, impl = auto_model(path, attn, causal_lm, accelerated)
     with torch.device("meta"):
@@ -61,14 +66,14 @@ class ReadStats:
 
 
 def materialize(model: nn.Module, path: str, device: str | torch.device = "cpu",
-                buffer_device: str | torch.device | None = None) -> ReadStats:
+                buffer_device: str | torch.device | None = None, seed: int = 0) -> ReadStats:
     """Give every meta parameter and buffer of ``model`` (sharded or not) storage for what this rank
     holds, parameters on ``device`` and buffers on ``buffer_device`` (default: ``device``; with FSDP's
     CPU offload, parameters on "cpu" and buffers where the forward runs), and fill it: parameters and
     persistent buffers of the HF model inside ``model`` from the safetensors files of checkpoint
     ``path``, this rank's slice of each; non-persistent buffers (rotary frequencies) the way
-    transformers computes them. Anything built off the meta device (the critic's value head) keeps
-    its values. Communicates nothing."""
+    transformers computes them; LoRA adapters as `lora.init_adapter` draws them from ``seed``. Anything
+    built off the meta device (the critic's value head) keeps its values. Communicates nothing."""
     from transformers import PreTrainedModel
     hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
     if hf is None:
@@ -96,6 +101,11 @@ def materialize(model: nn.Module, path: str, device: str | torch.device = "cpu",
     done: set[int] = set()
     with torch.no_grad():
         for name, tensor in hf.state_dict(keep_vars=True).items():
+            if lora.is_adapter(name):
+                local, index = local_index(tensor)
+                local.copy_(_select(lora.init_adapter(name, tensor.shape, seed), index))
+                continue
+            name = lora.base_name(name)
             if id(tensor) in done or (name not in sources and name in hf.all_tied_weights_keys):
                 continue  # a tied weight: loaded under its partner's name (the same tensor)
             if name not in sources:
@@ -128,6 +138,13 @@ def local_index(tensor: torch.Tensor) -> tuple[torch.Tensor, Index]:
         contiguous = torch.equal(pos, torch.arange(start, start + pos.numel()))
         index.append(slice(start, start + pos.numel()) if contiguous else pos)
     return tensor.to_local(), tuple(index)
+
+
+def _select(full: torch.Tensor, index: Index) -> torch.Tensor:
+    """The positions ``index`` of a whole tensor."""
+    for d, i in enumerate(index):
+        full = full.index_select(d, i) if torch.is_tensor(i) else full[(slice(None),) * d + (i,)]
+    return full
 
 
 def _on_dim0(p: Any, d: int) -> Any:
@@ -247,7 +264,7 @@ def checkpoint_sources(hf: nn.Module, path: str) -> dict[str, Source]:
     mapping = get_model_conversion_mapping(hf)
     renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
     converters = [t for t in mapping if isinstance(t, WeightConverter)]
-    model_keys = hf.state_dict(keep_vars=True)
+    model_keys = {lora.base_name(k): v for k, v in hf.state_dict(keep_vars=True).items() if not lora.is_adapter(k)}
     by_target: dict[str, dict[str | None, list[str]]] = defaultdict(lambda: defaultdict(list))
     for key in sorted(files, key=dot_natural_key):  # experts in numeric order, as transformers stacks them
         name, pattern = rename_source_key(key, renamings, converters, hf.base_model_prefix, model_keys)
@@ -273,22 +290,28 @@ def checkpoint_sources(hf: nn.Module, path: str) -> dict[str, Source]:
 
 
 def load_sharded(path: str, actor: ActorConfig, fsdp: FSDPConfig, layout: Layout, cpu: CpuConfig, device: str,
-                 prepare: Callable[[nn.Module], Any] | None = None, value_model: bool = False) -> nn.Module:
-    """A trainer rank's model (``value_model``: the critic) of checkpoint ``path``: built on the meta device,
-    ``prepare``d, sharded (`parallelize`), prepared by its registered attention (`train.attention.Registered`,
-    the CPU accelerator's with ``cpu``), then filled with only this rank's part of the checkpoint: no rank ever
-    holds the whole model. NVIDIA AutoModel loads whole first."""
+                 prepare: Callable[[nn.Module], Any] | None = None, value_model: bool = False,
+                 lora_adapters: bool = False) -> nn.Module:
+    """A trainer rank's model (``value_model``: the critic; ``lora_adapters``: the policy with --actor.lora_*
+    adapters) of checkpoint ``path``: built on the meta device, ``prepare``d, sharded (`parallelize`), prepared
+    by its registered attention (`train.attention.Registered`, the CPU accelerator's with ``cpu``), then filled
+    with only this rank's part of the checkpoint: no rank ever holds the whole model. NVIDIA AutoModel loads
+    whole first."""
     if actor.model_backend != "hf" and not value_model:
         model = load_model(path, actor.dtype, actor.model_backend, fsdp.attn_implementation)
     else:
-        model = meta_model(path, actor.dtype, fsdp.attn_implementation, not value_model, cpu.enable)
+        dtype = actor.lora_base_dtype or actor.dtype if lora_adapters else actor.dtype
+        model = meta_model(path, dtype, fsdp.attn_implementation, not value_model, cpu.enable)
         model = ValueModel(model) if value_model else model
     if prepare is not None:
         prepare(model)
+    if lora_adapters:
+        check_lora(actor, fsdp)  # instar sft comes here without instar rl's start-up checks
+        lora.apply_lora(model, actor)
     attention = registered(model.config._attn_implementation)  # before context parallelism wraps it
     parallelize(model, layout, fsdp)
     if attention is not None and attention.prepare is not None:
         attention.prepare(model, cpu)
     if any(p.is_meta for p in model.parameters()):  # FSDP's CPU offload keeps parameters on the host
-        materialize(model, path, "cpu" if fsdp.offload == "optimizer" else device, device)
+        materialize(model, path, "cpu" if fsdp.offload == "optimizer" else device, device, actor.seed)
     return model

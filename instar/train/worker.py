@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from instar.config import ActorConfig, CpuConfig, CriticConfig, FSDPConfig, TrainConfig
 from instar.contract import Sample
-from instar.train import checkpoint, weight_sync
+from instar.train import checkpoint, lora, weight_sync
 from instar.train.attention import packed_rows
 from instar.train.batch import (
     ROW_MULTIPLE,
@@ -84,14 +84,19 @@ class TrainWorker:
         self.layout: Layout = build_layout(self.fsdp)
         self.cp_group = self.layout.mesh["cp"].get_group() if self.layout.size("cp") > 1 else None
         a = self.actor
-        self.policy = self._load(a.model_name_or_path, freeze_routers if a.freeze_moe_router else None)
+        self.policy = self._load(a.model_name_or_path, freeze_routers if a.freeze_moe_router else None,
+                                 lora_adapters=a.lora_rank > 0)
         # prefix-tree rows need attention that reads `Segments`: ours (packed, or packed inside Ulysses)
         self.share_prefix = self.train.share_prefix and packed_rows(self.policy.config._attn_implementation)
         bf16 = "bfloat16" in (self.fsdp.mixed_precision, a.dtype)
         self.pad_rows = ROW_MULTIPLE if bf16 and self.device == "cpu" else 1
         self.optimizer = build_optimizer(self.policy, a.learning_rate, a.adam_betas, a.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, a.lr_warmup_steps, self.train.max_steps, a.lr_scheduler)
-        self.ref = self._load(self.ref_path, lambda m: m.requires_grad_(False)) if self.ref_path else None
+        # with LoRA the policy's own base is the reference when it is the same checkpoint: no second copy
+        self.ref_is_base = a.lora_rank > 0 and self.ref_path == a.model_name_or_path
+        self.ref = None
+        if self.ref_path and not self.ref_is_base:
+            self.ref = self._load(self.ref_path, lambda m: m.requires_grad_(False))
         self.critic = None
         if self.critic_cfg is not None:
             self.critic = self._load(self.critic_cfg.model_name_or_path or a.model_name_or_path, value_model=True)
@@ -100,9 +105,10 @@ class TrainWorker:
             self.critic_scheduler = build_scheduler(self.critic_optimizer, a.lr_warmup_steps, self.train.max_steps,
                                                     a.lr_scheduler)
 
-    def _load(self, path: str, prepare: Callable[[nn.Module], Any] | None = None, value_model: bool = False
-              ) -> nn.Module:
-        return load_sharded(path, self.actor, self.fsdp, self.layout, self.cpu, self.device, prepare, value_model)
+    def _load(self, path: str, prepare: Callable[[nn.Module], Any] | None = None, value_model: bool = False,
+              lora_adapters: bool = False) -> nn.Module:
+        return load_sharded(path, self.actor, self.fsdp, self.layout, self.cpu, self.device, prepare, value_model,
+                            lora_adapters)
 
     # ---- forward passes -------------------------------------------------------------------------
 
@@ -175,13 +181,14 @@ class TrainWorker:
     def compute_logprobs(self, samples: list[Sample], temperature: float = 1.0, model: str = "policy") -> list[Tensor]:
         """Per sample, a float32 tensor aligned with its token_ids: logprob of each token given the
         tokens before it (index 0 holds 0). ``model``: "policy" or "ref"."""
-        net = self.policy if model == "policy" else self.ref
+        base = model == "ref" and self.ref_is_base
+        net = self.policy if model == "policy" or base else self.ref
         if net is None:
             raise ValueError("no reference model loaded; start the trainer with a ref_path "
                              "(--algo.kl.coef > 0 or on_policy_distill)")
 
         def logprobs(mb: MicroBatch) -> Tensor:
-            with self._replay(net, mb):
+            with self._replay(net, mb), lora.adapters_off(net) if base else contextlib.nullcontext():
                 return self._row_logprobs(net, mb, temperature, mb.valid, with_entropy=False)[0]
         return self._per_sample(samples, logprobs)
 
@@ -348,8 +355,9 @@ class TrainWorker:
         Pausing the engines and bumping their version is the caller's side of the protocol.
         ``background``: see `weight_sync.send_weights` (the next call here may start meanwhile)."""
         cast = getattr(torch, dtype) if dtype else None
-        return weight_sync.send_weights(self.policy.named_parameters(), self.sync_group, bucket_mb, dtype=cast,
-                                        background=background)
+        # under LoRA only the adapted layers change: they go merged, and the engines keep the rest
+        named = lora.merged_weights(self.policy) if self.actor.lora_rank else self.policy.named_parameters()
+        return weight_sync.send_weights(named, self.sync_group, bucket_mb, dtype=cast, background=background)
 
     def save(self, root: str, extra: dict[str, Any] | None = None, max_num: int = 0) -> str:
         meta = {"scheduler": self.scheduler.state_dict(), "policy_step": self.step, "extra": extra or {}}
@@ -374,7 +382,7 @@ class TrainWorker:
 
     def export_hf(self, out_dir: str) -> str:
         """Write the policy as an HF checkpoint (`checkpoint.export_hf`). Collective; rank 0 writes."""
-        return checkpoint.export_hf(self.policy, out_dir, self.actor.model_name_or_path)
+        return checkpoint.export_hf(self.policy, out_dir, self.actor.model_name_or_path, self.actor.lora_merged_export)
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -19,13 +19,16 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [needs_vllm, pytest.mark.slow]
 
 
-def test_sync_loop_with_vllm_engine_keeps_engine_and_trainer_in_step(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("lora_rank", [0, 8])
+def test_sync_loop_with_vllm_engine_keeps_engine_and_trainer_in_step(tmp_path, tiny_model_dir, lora_rank):
+    """With LoRA (``lora_rank`` 8) the trainer sends the adapted layers' merged weights, and only those."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"What is {i}*7+3?", "label": str(i * 7 + 3)}) + "\n"
                                for i in range(16)))
     cfg = RLConfig()
     cfg.actor.model_name_or_path = str(tiny_model_dir)
     cfg.actor.learning_rate = 1e-2
+    cfg.actor.lora_rank = lora_rank
     cfg.data.prompt_dataset = str(prompts)
     cfg.data.max_new_tokens = 16
     cfg.data.max_len = 256
