@@ -76,7 +76,7 @@ def rank_job(rank: int, world: int, port: int, path: str, lora_rank: int = 0) ->
 
     from instar.config import ActorConfig, FSDPConfig
     from instar.train.load import materialize, meta_model
-    from instar.train.lora import apply_lora
+    from instar.train.lora import apply_lora, initial_adapters
     from instar.train.model import forward_logits, next_token_logprobs
     from instar.train.optim import build_optimizer
     from instar.train.parallel import apply_fsdp, init_distributed
@@ -86,10 +86,11 @@ def rank_job(rank: int, world: int, port: int, path: str, lora_rank: int = 0) ->
     base = rss()
     start = time.perf_counter()
     model = meta_model(path, "float32", "packed")
+    actor = ActorConfig(lora_rank=lora_rank, lora_alpha=2 * lora_rank)
     if lora_rank:
-        apply_lora(model, ActorConfig(lora_rank=lora_rank, lora_alpha=2 * lora_rank))
+        apply_lora(model, actor)
     apply_fsdp(model, init_device_mesh("cpu", (world,)), FSDPConfig(num_ranks=world))
-    stats = materialize(model, path, "cpu")
+    stats = materialize(model, path, "cpu", adapters=initial_adapters(actor) if lora_rank else None)
     load_s, loaded = time.perf_counter() - start, rss() - base
     optimizer = build_optimizer(model, lr=1e-5)
     ids = torch.randint(0, VOCAB, (1, 64), generator=torch.Generator().manual_seed(rank))

@@ -7,6 +7,7 @@ Beside config.py; what an advantage estimator needs is read from its registratio
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from instar.algo.advantages import registered, token_level
@@ -45,10 +46,12 @@ def check(cfg: RLConfig) -> None:
 
 def check_lora(actor: ActorConfig, fsdp: FSDPConfig) -> None:
     """--actor.lora_*: values that can work, and the layouts LoRA has been proven in (data parallel)."""
+    if actor.lora_path and not os.path.isfile(os.path.join(actor.lora_path, "adapter_config.json")):
+        raise ConfigError(f"--actor.lora_path {actor.lora_path} is not a PEFT adapter folder (no adapter_config.json)")
     if actor.lora_rank < 0:
         raise ConfigError(f"--actor.lora_rank must be a positive integer (0 trains every weight), "
                           f"got {actor.lora_rank}")
-    if actor.lora_rank == 0:
+    if actor.lora_rank == 0 and not actor.lora_path:
         return
     if actor.lora_alpha <= 0 or not 0 <= actor.lora_dropout < 1:
         raise ConfigError(f"--actor.lora_alpha must be > 0 and --actor.lora_dropout in [0, 1), got "

@@ -265,6 +265,8 @@ async def resume(cfg: RLConfig, cluster: Cluster, stream: PromptStream, kl: KLCo
     run_dir.truncate_lines(Path(cfg.ckpt.output_dir) / "ledger.jsonl", extra["ledger_lines"])
     run_dir.truncate_dumps(cfg.train.rollout_dump_dir, extra["step"])
     if path is None:
+        if cfg.actor.lora_path:  # the engines hold the base; the policy starts from a trained adapter
+            await cluster.sync_weights(0, cluster.plan.resume_in_flight)
         return 0, PoolState()
     pool = PoolState.from_json(extra["pool"])
     stream.load_state_dict(extra["stream"], pending=[(g.epoch, g.prompt_index) for g in pool.pending])

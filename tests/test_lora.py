@@ -34,7 +34,11 @@ def lora_worker(model_dir, rank: int = 0, world: int = 1, port: int | None = Non
     settings = {"lora_rank": RANK, "lora_alpha": ALPHA, "learning_rate": 1e-2, **actor}
     w = TrainWorker(ActorConfig(model_name_or_path=str(model_dir), **settings), FSDPConfig(num_ranks=world),
                     TrainConfig(max_tokens_per_gpu=24, max_steps=10), ref_path=str(model_dir) if ref else None)
-    w.init(rank, world, "127.0.0.1", port or reserve_port())
+    try:
+        w.init(rank, world, "127.0.0.1", port or reserve_port())
+    except Exception:
+        w.shutdown()  # a failed start must not leave this process's group to the next test
+        raise
     return w
 
 
@@ -187,6 +191,13 @@ def test_rl_with_lora_samples_the_current_policy(tmp_path, tiny_model_dir, promp
     assert all(abs(m["actor/vllm_kl"]) < 1e-3 for m in metrics), metrics
     assert metrics[0]["actor/ref_kl"] == pytest.approx(0, abs=1e-7) and metrics[2]["actor/ref_kl"] != 0
 
+    # a new run from the adapter that run exported: the engines get the adapted weights before they sample
+    cfg.actor.lora_rank, cfg.actor.lora_path = 0, str(tmp_path / "run/hf")
+    cfg.train.max_steps, cfg.ckpt.output_dir = 1, str(tmp_path / "again")
+    run(cfg)
+    again = rows(tmp_path / "again/metrics.jsonl")[0]
+    assert abs(again["actor/vllm_kl"]) < 1e-3 and again["actor/ref_kl"] != 0, again
+
 
 @pytest.mark.parametrize("change, message", [
     ({"lora_rank": -1}, "--actor.lora_rank must be a positive integer"),
@@ -257,3 +268,22 @@ def test_lora_flags_parse(argv, targets, tiny_model_dir):
         adapted = {n.split(".lora_")[0].rpartition(".")[2] for n, _ in w.policy.named_parameters() if ".lora_" in n}
         w.shutdown()
         assert adapted == {"q_proj"}
+
+
+def test_a_run_starts_from_a_saved_adapter(tiny_model_dir, tiny_heads4_dir, tmp_path):
+    """--actor.lora_path: the adapters, rank and alpha of an exported adapter folder; one that was trained on
+    another model, or a folder that holds none, is one line."""
+    w = lora_worker(tiny_model_dir, lora_rank=2, lora_alpha=6)
+    randomise_b(w)
+    policy = w.compute_logprobs(SAMPLES)
+    w.export_hf(str(tmp_path / "adapter"))
+    w.shutdown()
+    w = lora_worker(tiny_model_dir, lora_rank=0, lora_path=str(tmp_path / "adapter"))
+    assert (w.actor.lora_rank, w.actor.lora_alpha) == (2, 6)
+    for got, want in zip(w.compute_logprobs(SAMPLES), policy):
+        torch.testing.assert_close(got, want, **TOL)
+    w.shutdown()
+    with pytest.raises(ValueError, match="does not fit the model: model.layers.0"):
+        lora_worker(tiny_heads4_dir, lora_path=str(tmp_path / "adapter"))
+    with pytest.raises(ConfigError, match="is not a PEFT adapter folder"):
+        check_lora(ActorConfig(lora_path=str(tiny_model_dir)), FSDPConfig())

@@ -53,6 +53,9 @@ class ActorConfig:
     lora_target_modules: str | list[str] = "all-linear"
     """Layers that get adapters: all-linear (every linear layer but the LM head, as in PEFT) or a list of module
     names (e.g. [q_proj, v_proj])."""
+    lora_path: str = ""
+    """A PEFT adapter folder (e.g. a LoRA run's hf/ export) to start the adapters from; its adapter_config.json
+    then sets the rank, alpha, dropout and target modules."""
     lora_merged_export: bool = False
     """With LoRA, HF exports (the run's hf/ folders) hold the merged full model instead of a PEFT adapter folder."""
     lora_base_dtype: Literal["", "float32", "bfloat16"] = ""

@@ -66,13 +66,14 @@ class ReadStats:
 
 
 def materialize(model: nn.Module, path: str, device: str | torch.device = "cpu",
-                buffer_device: str | torch.device | None = None, seed: int = 0) -> ReadStats:
+                buffer_device: str | torch.device | None = None,
+                adapters: Callable[[str, torch.Size], torch.Tensor] | None = None) -> ReadStats:
     """Give every meta parameter and buffer of ``model`` (sharded or not) storage for what this rank
     holds, parameters on ``device`` and buffers on ``buffer_device`` (default: ``device``; with FSDP's
     CPU offload, parameters on "cpu" and buffers where the forward runs), and fill it: parameters and
     persistent buffers of the HF model inside ``model`` from the safetensors files of checkpoint
     ``path``, this rank's slice of each; non-persistent buffers (rotary frequencies) the way
-    transformers computes them; LoRA adapters as `lora.init_adapter` draws them from ``seed``. Anything
+    transformers computes them; LoRA adapters from ``adapters`` (`lora.initial_adapters`). Anything
     built off the meta device (the critic's value head) keeps its values. Communicates nothing."""
     from transformers import PreTrainedModel
     hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
@@ -103,7 +104,7 @@ def materialize(model: nn.Module, path: str, device: str | torch.device = "cpu",
         for name, tensor in hf.state_dict(keep_vars=True).items():
             if lora.is_adapter(name):
                 local, index = local_index(tensor)
-                local.copy_(_select(lora.init_adapter(name, tensor.shape, seed), index))
+                local.copy_(_select(adapters(name, tensor.shape), index))
                 continue
             name = lora.base_name(name)
             if id(tensor) in done or (name not in sources and name in hf.all_tied_weights_keys):
@@ -313,5 +314,6 @@ def load_sharded(path: str, actor: ActorConfig, fsdp: FSDPConfig, layout: Layout
     if attention is not None and attention.prepare is not None:
         attention.prepare(model, cpu)
     if any(p.is_meta for p in model.parameters()):  # FSDP's CPU offload keeps parameters on the host
-        materialize(model, path, "cpu" if fsdp.offload == "optimizer" else device, device, actor.seed)
+        materialize(model, path, "cpu" if fsdp.offload == "optimizer" else device, device,
+                    lora.initial_adapters(actor) if lora_adapters else None)
     return model

@@ -10,14 +10,16 @@ adapter folder (or the merged model).
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from instar.config import ActorConfig
@@ -56,6 +58,33 @@ def apply_lora(model: nn.Module, actor: ActorConfig) -> None:
         for part in (module.lora_A[ADAPTER], module.lora_B[ADAPTER]):
             part.to(dtype=torch.float32)  # adapters and their optimizer state train in float32
     model.instar_lora = config
+
+
+def with_adapter_config(actor: ActorConfig) -> ActorConfig:
+    """``actor`` with --actor.lora_path's rank, alpha, dropout and target modules, as the adapter was trained."""
+    if not actor.lora_path:
+        return actor
+    with open(os.path.join(actor.lora_path, "adapter_config.json")) as f:
+        saved = json.load(f)
+    return replace(actor, lora_rank=saved["r"], lora_alpha=saved["lora_alpha"],
+                   lora_dropout=saved.get("lora_dropout", 0.0), lora_target_modules=saved["target_modules"])
+
+
+def initial_adapters(actor: ActorConfig) -> Callable[[str, torch.Size], Tensor]:
+    """The whole initial value of each adapter parameter, by name and shape: `init_adapter`'s, or
+    --actor.lora_path's, checked to fit."""
+    if not actor.lora_path:
+        return lambda name, shape: init_adapter(name, shape, actor.seed)
+    saved = load_file(os.path.join(actor.lora_path, "adapter_model.safetensors"))
+
+    def read(name: str, shape: torch.Size) -> Tensor:
+        key = "base_model.model." + name.replace(f".{ADAPTER}.", ".")
+        if key not in saved or saved[key].shape != shape:
+            found = tuple(saved[key].shape) if key in saved else "nothing"
+            raise ValueError(f"--actor.lora_path {actor.lora_path} does not fit the model: {name} is {tuple(shape)}, "
+                             f"the adapter has {found} under {key}; give an adapter trained on this model")
+        return saved[key].float()
+    return read
 
 
 def init_adapter(name: str, full_shape: torch.Size, seed: int) -> Tensor:
