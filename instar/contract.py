@@ -209,6 +209,7 @@ class Trajectory:
     rollout_id: str = ""
     prompt_index: int = -1
     finish_reason: str = "stop"  # "stop", "length" (a token budget ran out), "abort"
+    metadata: dict[str, Any] = field(default_factory=dict)  # the prompt record's other columns
 
     @property
     def truncated(self) -> bool:

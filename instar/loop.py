@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from instar.algo import KLController
 from instar.checks import check
@@ -33,10 +34,11 @@ from instar.train import checkpoint, run_dir
 from instar.train.batch import StepInputs
 
 
-def run(cfg: RLConfig) -> dict[str, float]:
-    """Train until --train.max_steps; returns the last step's metrics."""
+def run(cfg: RLConfig, dataset: Any = None) -> dict[str, float]:
+    """Train until --train.max_steps; returns the last step's metrics. ``dataset``: prompt records given from
+    Python (`instar.rl`) instead of --data.prompt_dataset."""
     check(cfg)
-    return asyncio.run(_run(cfg))
+    return asyncio.run(_run(cfg, dataset))
 
 
 def evaluate(cfg: RLConfig) -> dict[str, float]:
@@ -62,9 +64,10 @@ def sampling_params(cfg: RLConfig) -> SamplingParams:
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=cfg.data.max_new_tokens)
 
 
-async def _run(cfg: RLConfig) -> dict[str, float]:
+async def _run(cfg: RLConfig, dataset: Any = None) -> dict[str, float]:
     out = output_dir(cfg)
-    stream = PromptStream(load_prompts(cfg.data.prompt_dataset, cfg.data), cfg.actor.seed, cfg.data.shuffle)
+    prompts = load_prompts(cfg.data.prompt_dataset if dataset is None else dataset, cfg.data)
+    stream = PromptStream(prompts, cfg.actor.seed, cfg.data.shuffle)
     kl = KLController.from_config(cfg.algo.kl)
     sampling = sampling_params(cfg)
     async with Cluster(cfg) as cluster:

@@ -26,8 +26,8 @@ def test_load_normalises_prompts(tmp_path):
 def test_load_errors_are_actionable(tmp_path):
     with pytest.raises(ValueError, match="--data.prompt_dataset '.*missing.jsonl' does not exist"):
         load_prompts(str(tmp_path / "missing.jsonl"), DataConfig())
-    with pytest.raises(ValueError, match=r"p.jsonl' has no 'prompt' column \(columns: \['question'\]\); "
-                                         "set --data.input_key"):
+    with pytest.raises(ValueError, match=r"p.jsonl' has no 'prompt' column or nested field "
+                                         r"\(columns: \['question'\]\); set --data.input_key"):
         load_prompts(write(tmp_path, [{"question": "x"}]), DataConfig())
     with pytest.raises(ValueError, match="must be a string or a list of chat messages, got int"):
         load_prompts(write(tmp_path, [{"prompt": 7}]), DataConfig())

@@ -43,6 +43,7 @@ class Task:
     label: Any = None
     tools: list[dict] | None = None
     images: list[Any] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)  # the prompt record's other columns
     prompt_index: int = -1
     group_id: int = 0
     rollout_id: str = ""
@@ -52,7 +53,8 @@ class Task:
 class Env:
     """A step environment. ``state`` is a dict with ``observation_text`` (the latest observation: the
     prompt, then each step's observation), ``action_text`` (the model's latest turn as sampled),
-    ``label``, ``sampling_params``, ``messages`` (the chat so far), ``turn`` (0-based), and, for
+    ``label``, ``metadata`` (the prompt record's other columns: test cases, difficulty, id...),
+    ``sampling_params``, ``messages`` (the chat so far), ``turn`` (0-based), and, for
     LLM-as-judge rewards, ``untraced_base_url`` / ``untraced_session_url`` / ``api_key`` / ``model_name``."""
 
     tools: list[dict] | None = None
@@ -89,6 +91,8 @@ class ChatContext:
     max_length: int
     untraced_base_url: str = ""
     untraced_session_url: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """The prompt record's other columns (test cases, difficulty, id...)."""
 
 
 class ChatAgent:
@@ -119,6 +123,7 @@ class StepEnvRunner:
         transcript = session.transcript
         tools = task.tools or self.env_class.tools
         state = {"observation_text": _last_user_text(messages), "action_text": "", "label": task.label,
+                 "metadata": task.metadata,
                  "sampling_params": task.sampling_params, "messages": messages, "turn": 0, "api_key": session.api_key,
                  "untraced_base_url": session.untraced_base_url, "model_name": session.model_name,
                  "untraced_session_url": session.untraced_session_url}
@@ -167,7 +172,7 @@ class ChatAgentRunner:
                           api_key=session.api_key, model_name=session.model_name, session_id=session.id,
                           sampling_params=task.sampling_params, max_length=session.transcript.max_len,
                           untraced_base_url=session.untraced_base_url,
-                          untraced_session_url=session.untraced_session_url)
+                          untraced_session_url=session.untraced_session_url, metadata=task.metadata)
         result = await on_own_thread(self.agent_class().run, ctx)
         if not isinstance(result, Result):
             raise TypeError(f"{self.agent_class.__name__}.run must return instar.agents.Result, "

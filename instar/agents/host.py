@@ -86,7 +86,7 @@ class AgentHost:
         finish = "length" if transcript.truncated else "abort" if transcript.last_finish_reason == "abort" else "stop"
         traj = Trajectory(transcript.segments, reward=result.reward, score=result.score, info=result.info,
                           group_id=task.group_id, rollout_id=task.rollout_id, prompt_index=task.prompt_index,
-                          finish_reason=finish)
+                          finish_reason=finish, metadata=task.metadata)
         try:
             traj.validate()
         except ContractError as e:

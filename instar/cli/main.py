@@ -13,6 +13,7 @@ import sys
 import typing
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import yaml
@@ -78,7 +79,7 @@ def _run_report(args: ReportArgs) -> None:
     print(f"eval accuracy: before={summary['eval accuracy before']} after={summary['eval accuracy after']}")
 
 
-def _check_inputs(cfg: RLConfig) -> None:
+def _check_inputs(cfg: RLConfig, prompts_given: bool = False) -> None:
     """Missing files, or an agent module that does not load, fail here in seconds rather than inside
     a Ray actor minutes later."""
     from instar.agents.api import load_agent
@@ -92,7 +93,9 @@ def _check_inputs(cfg: RLConfig) -> None:
         if path and not os.path.exists(path) and not HUB_NAME.fullmatch(path):
             raise ConfigError(f"--{flag} {path!r} does not exist and is not a hub model name (like "
                               "Qwen/Qwen3-0.6B); give an HF checkpoint directory")
-    for flag, source in {"data.prompt_dataset": cfg.data.prompt_dataset, "eval.dataset": cfg.eval.dataset}.items():
+    prompts = None if prompts_given else cfg.data.prompt_dataset
+    sources = {"data.prompt_dataset": prompts, "eval.dataset": cfg.eval.dataset}
+    for flag, source in sources.items():
         if source is not None:
             source_kind(source, flag)
     if cfg.train.rollout_replay_dir:  # trains from a dump: no agent runs
@@ -106,16 +109,17 @@ def _check_inputs(cfg: RLConfig) -> None:
                           f"(line {e.lineno})") from None
 
 
-def rl(config: RLConfig | Sequence[str]) -> dict[str, float]:
+def rl(config: RLConfig | Sequence[str], dataset: typing.Any = None) -> dict[str, float]:
     """`instar rl` from Python (a script or a notebook): an ``RLConfig``, or the command's flags as a list.
-    Returns the last step's metrics."""
+    ``dataset``: the prompt records as a `datasets.Dataset` (or a `DatasetDict`, read at --data.split) instead of
+    --data.prompt_dataset. Returns the last step's metrics."""
     cfg = _config("rl", config)
-    _check_inputs(cfg)  # first: the agent module may register an estimator that `check` then accepts
+    _check_inputs(cfg, prompts_given=dataset is not None)  # first: the agent module may register an estimator
     check(cfg)
     _announce(cfg)
     from instar.loop import run  # the loop pulls in Ray and torch.distributed; only load it to run
 
-    return _outside_event_loop(run, cfg)
+    return _outside_event_loop(partial(run, dataset=dataset), cfg)
 
 
 def evaluate(config: RLConfig | Sequence[str]) -> dict[str, float]:

@@ -12,6 +12,7 @@ model was given, so what is on the page is what the model saw.
 from __future__ import annotations
 
 import html
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +23,8 @@ from instar.data.images import Vision, data_url
 STYLE = """body{font-family:sans-serif;margin:1.5em}section{border:1px solid #ccc;border-radius:6px;padding:.6em;
 margin:1em 0}h2{font-size:1em;margin:.2em 0}.t{font-family:monospace;white-space:pre-wrap;line-height:1.6}
 .c{color:#777}.a{border-radius:2px}.seg{border-top:2px dashed #999;margin:.5em 0;color:#999;font-size:.8em}
-img{vertical-align:middle;border:1px solid #999;margin:2px;image-rendering:pixelated}"""
+img{vertical-align:middle;border:1px solid #999;margin:2px;image-rendering:pixelated}
+.meta{color:#555;font-size:.8em;font-family:monospace}"""
 
 
 def load_dump(path: str | Path) -> list[tuple[str, Trajectory]]:
@@ -97,7 +99,8 @@ def render(items: list[tuple[str, Trajectory]], decode: Callable[[list[int]], st
                 f" · versions {versions}")
         body = "<div class=seg>history rewritten: new segment</div>".join(
             f"<div class=t>{_segment(s, decode, pictures)}</div>" for s in t.segments)
-        sections.append(f"<section><h2>{head}</h2>{body}</section>")
+        meta = f"<p class=meta>{html.escape(json.dumps(t.metadata, default=str)[:2000])}</p>" if t.metadata else ""
+        sections.append(f"<section><h2>{head}</h2>{meta}{body}</section>")
     legend = ("<p>grey: context (prompt, template, tool results); shaded: sampled, green = likely, "
               "red = unlikely; hover a token for its id, logprob and policy version.</p>")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"

@@ -15,10 +15,17 @@ class DataConfig:
     them, or a hub dataset name (needs the hub, or its local cache with HF_HUB_OFFLINE=1)."""
     split: str = "train"
     """Split of a --data.prompt_dataset directory or hub name (a single file is read whole)."""
+    dataset_config: str | None = None
+    """Configuration (subset) of a hub dataset, e.g. main for openai/gsm8k."""
+    dataset_revision: str | None = None
+    """Revision (branch, tag or commit) of a hub dataset."""
+    data_files: str | list[str] | None = None
+    """Files of a directory or hub dataset to read (names or globs, relative to it)."""
     input_key: str = "prompt"
-    """Key of the prompt (a string or a list of chat messages) in each record."""
+    """Key of the prompt (a string or a list of chat messages) in each record. Every *_key may be dotted
+    (reward_model.ground_truth) to read a nested field; a column with the exact name wins."""
     label_key: str = "label"
-    """Key of the label given to the agent."""
+    """Key of the label given to the agent. Other columns reach it too (state["metadata"], ctx.metadata)."""
     tools_key: str = "tools"
     """Key of an optional list of tool schemas for the chat template."""
     image_key: str = "images"
@@ -48,8 +55,14 @@ class SFTSection:
     them, or a hub dataset name, read with Hugging Face `datasets`."""
     split: str = "train"
     """Split of an --sft.dataset directory or hub name (a single file is read whole)."""
+    dataset_config: str | None = None
+    """Configuration (subset) of a hub dataset."""
+    dataset_revision: str | None = None
+    """Revision (branch, tag or commit) of a hub dataset."""
+    data_files: str | list[str] | None = None
+    """Files of a directory or hub dataset to read (names or globs, relative to it)."""
     messages_key: str = "messages"
-    """Key of the message list in each record."""
+    """Key of the message list in each record (dotted for a nested field)."""
     epochs: int = 1
     """Passes over the dataset."""
     batch_size: int = 16

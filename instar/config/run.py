@@ -33,6 +33,12 @@ class EvalConfig:
     """Prompts to evaluate pass@k on: a file, directory or hub dataset, as --data.prompt_dataset (--data.*_key)."""
     split: str = "test"
     """Split of an --eval.dataset directory or hub name (a single file is read whole)."""
+    dataset_config: str | None = None
+    """Configuration (subset) of a hub --eval.dataset."""
+    dataset_revision: str | None = None
+    """Revision (branch, tag or commit) of a hub --eval.dataset."""
+    data_files: str | list[str] | None = None
+    """Files of an --eval.dataset directory or hub dataset to read."""
     steps: int = 0
     """Evaluate every N steps (and at the start); 0 only at the start and end."""
     n_samples: int = 1

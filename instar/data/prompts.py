@@ -16,7 +16,7 @@ from typing import Any
 from instar.config import DataConfig
 from instar.data.chat import prompt_messages
 from instar.data.images import data_url, normalise
-from instar.data.records import read_records, without_nulls
+from instar.data.records import MISSING, Subset, lookup, read_records, without_nulls
 
 
 @dataclass
@@ -31,34 +31,43 @@ class Prompt:
     images: list[str] | None = None  # data URLs, for the first user turn (see --data.image_key)
 
 
-def load_prompts(source: str, cfg: DataConfig, split: str | None = None,
-                 flag: str = "data.prompt_dataset") -> list[Prompt]:
-    """Every record of a dataset (``instar.data.records``: a file, a directory or a hub name; ``split``
-    defaults to --data.split) as a ``Prompt``. A string prompt becomes a user message (plus the system prompt)."""
-    records = read_records(source, cfg.split if split is None else split, flag)
-    if cfg.input_key not in records[0]:
-        raise ValueError(f"--{flag} {source!r} has no {cfg.input_key!r} column (columns: {sorted(records[0])}); "
-                         "set --data.input_key")
-    base = Path(source).parent if Path(source).is_file() else Path(source)
+def load_prompts(source: str | Any, cfg: DataConfig, split: str | None = None, flag: str = "data.prompt_dataset",
+                 subset: Subset | None = None) -> list[Prompt]:
+    """Every record of a dataset (``instar.data.records``: a file, a directory or a hub name; ``split`` and
+    ``subset`` default to --data.split and --data.dataset_config / _revision / data_files) as a ``Prompt``. A string
+    prompt becomes a user message (plus the system prompt)."""
+    subset = subset or Subset(cfg.dataset_config, cfg.dataset_revision, cfg.data_files)
+    records = read_records(source, cfg.split if split is None else split, flag, subset)
+    if lookup(records[0], cfg.input_key) is MISSING:
+        raise ValueError(f"--{flag} {source!r} has no {cfg.input_key!r} column or nested field (columns: "
+                         f"{sorted(records[0])}); set --data.input_key")
+    base = None if not isinstance(source, str) else Path(source).parent if Path(source).is_file() else Path(source)
     return [_to_prompt(index, record, cfg, base) for index, record in enumerate(records)]
 
 
 def _to_prompt(index: int, record: dict[str, Any], cfg: DataConfig, base: Path | None = None) -> Prompt:
-    value = without_nulls(record[cfg.input_key])
+    value = without_nulls(lookup(record, cfg.input_key))
+    if value is MISSING:
+        raise ValueError(f"prompt {index} has no {cfg.input_key!r} (columns: {sorted(record)}); set --data.input_key")
     chat = isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
     if not (isinstance(value, str) or chat):
         raise ValueError(f"prompt {index}: {cfg.input_key!r} must be a string or a list of chat messages, "
                          f"got {type(value).__name__}")
     messages = normalise(prompt_messages(value, cfg.system_prompt or None), base, f"prompt {index}")
-    images = without_nulls(record.get(cfg.image_key))
+    label = _optional(record, cfg.label_key)
+    tools, images = (without_nulls(_optional(record, k)) for k in (cfg.tools_key, cfg.image_key))
     if images is not None:
         if not isinstance(images, list):
             images = [images]
         images = [data_url(im, base, f"prompt {index} {cfg.image_key}[{k}]") for k, im in enumerate(images)]
     keys = (cfg.input_key, cfg.label_key, cfg.tools_key, cfg.image_key)
     rest = {k: v for k, v in record.items() if k not in keys}
-    return Prompt(index, messages, record.get(cfg.label_key), without_nulls(record.get(cfg.tools_key)), rest,
-                  images or None)
+    return Prompt(index, messages, label, tools, rest, images or None)
+
+
+def _optional(record: dict[str, Any], key: str) -> Any:
+    value = lookup(record, key)
+    return None if value is MISSING else value
 
 
 class PromptStream:

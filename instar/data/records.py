@@ -8,6 +8,7 @@ data ledger and in checkpoints, run after run.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,11 +34,32 @@ def source_kind(source: str, flag: str) -> Literal["file", "dir", "hub"]:
     return "hub"
 
 
-def read_records(source: str, split: str, flag: str) -> list[dict[str, Any]]:
-    """Every record of ``source`` in order: a file is read whole; a directory or hub name gives ``split``."""
+@dataclass
+class Subset:
+    """Which part of a directory or hub dataset to read (`datasets.load_dataset`'s ``name``, ``revision`` and
+    ``data_files``): --data.dataset_config and the like."""
+
+    config: str | None = None
+    revision: str | None = None
+    data_files: str | list[str] | None = None
+
+
+def read_records(source: str | Any, split: str, flag: str, subset: Subset | None = None) -> list[dict[str, Any]]:
+    """Every record of ``source`` in order: a file is read whole; a directory or hub name gives ``split`` of
+    ``subset``; a `datasets.Dataset` given from Python is read whole, a `DatasetDict` gives ``split``."""
     import datasets  # pulls in pyarrow and pandas: only when data is read
 
+    if not isinstance(source, str):
+        table = source.get(split) if isinstance(source, datasets.DatasetDict) else source
+        if not isinstance(table, datasets.Dataset) or not len(table):
+            raise ValueError(f"the {flag} given from Python must be a non-empty datasets.Dataset (or a DatasetDict "
+                             f"with split {split!r}), got {type(table).__name__}")
+        return table.to_list()
+    subset = subset or Subset()
     kind = source_kind(source, flag)
+    if kind == "file" and subset != Subset():
+        raise ConfigError(f"--{flag} {source!r} is one file, read whole: its dataset config, revision and data "
+                          "files apply to directories and hub names only; drop them")
     if kind == "file" and Path(source).stat().st_size == 0:  # `datasets` fails on one with StopIteration
         raise ValueError(f"--{flag} {source!r} is empty")
     try:
@@ -48,7 +70,8 @@ def read_records(source: str, split: str, flag: str) -> list[dict[str, Any]]:
                 if builder == "csv" else None
             table = datasets.load_dataset(builder, data_files=source, split="train", features=features)
         else:
-            table = datasets.load_dataset(source, split=split)
+            table = datasets.load_dataset(source, subset.config, split=split, revision=subset.revision,
+                                          data_files=subset.data_files)
     except ConnectionError as e:
         raise ValueError(f"--{flag} {source!r} is not a local file or directory and the Hugging Face hub could not "
                          f"be reached ({e}); run where the hub is reachable, or download the data and give its "
@@ -64,6 +87,22 @@ def _csv_header(path: str) -> list[str]:
 
     with open(path, newline="") as f:
         return next(csv.reader(f), [])
+
+
+MISSING = object()
+
+
+def lookup(record: dict[str, Any], key: str) -> Any:
+    """``record[key]``, or for a dotted key (``reward_model.ground_truth``) the nested value when no column has
+    that exact name; `MISSING` when there is neither."""
+    if key in record:
+        return record[key]
+    value: Any = record
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return MISSING
+        value = value[part]
+    return value
 
 
 def without_nulls(value: Any) -> Any:

@@ -16,7 +16,7 @@ from typing import Any
 from instar.contract import NO_VERSION, ImageInputs, Sample
 from instar.data.chat import encode, render
 from instar.data.images import Vision, image_urls, normalise
-from instar.data.records import read_records, without_nulls
+from instar.data.records import MISSING, Subset, lookup, read_records, without_nulls
 
 
 class TemplateError(ValueError):
@@ -75,19 +75,23 @@ def conversation_sample(tokenizer: Any, messages: list[dict], tools: list | None
 
 
 def load_sft_samples(source: str, tokenizer: Any, messages_key: str = "messages", max_len: int | None = None,
-                     tools_key: str = "tools", split: str = "train", vision: Vision | None = None) -> list[Sample]:
-    """Every conversation of a dataset (``instar.data.records``: a file, a directory or a hub name), in
-    order: a list of chat messages under ``messages_key``, optional tool schemas under ``tools_key``."""
+                     tools_key: str = "tools", split: str = "train", vision: Vision | None = None,
+                     subset: Subset | None = None) -> list[Sample]:
+    """Every conversation of a dataset (``instar.data.records``: a file, a directory or a hub name, its ``split``
+    of ``subset``), in order: a list of chat messages under ``messages_key``, optional tool schemas under
+    ``tools_key`` (dotted keys read nested fields)."""
     samples: list[Sample] = []
-    for n, record in enumerate(read_records(source, split, "sft.dataset")):
-        messages = without_nulls(record.get(messages_key))
+    for n, record in enumerate(read_records(source, split, "sft.dataset", subset)):
+        messages = without_nulls(lookup(record, messages_key))
         if not isinstance(messages, list):
             raise ValueError(f"--sft.dataset {source!r}: record {n} has no message list under {messages_key!r} "
                              f"(columns: {sorted(record)}); set --sft.messages_key")
         if vision is not None:
             base = Path(source).parent if Path(source).is_file() else Path(source)
             messages = normalise(messages, base, f"--sft.dataset record {n}")
-        sample = conversation_sample(tokenizer, messages, without_nulls(record.get(tools_key)), max_len, vision)
+        tools = lookup(record, tools_key)
+        sample = conversation_sample(tokenizer, messages, None if tools is MISSING else without_nulls(tools), max_len,
+                                     vision)
         if sample is not None:
             samples.append(sample)
     if not samples:

@@ -12,13 +12,16 @@ from instar.agents.api import Task
 from instar.config import RLConfig
 from instar.contract import SamplingParams, Trajectory, write_jsonl
 from instar.data.prompts import load_prompts
+from instar.data.records import Subset
 from instar.runtime.pool import group_tasks
 
 
 async def evaluate(agents: list[Any], cfg: RLConfig, sampling: SamplingParams, step: int = 0) -> dict[str, float]:
     """Accuracy (mean score) and pass@k over --eval.dataset at --eval.temperature, plus greedy
     accuracy; the trajectories go to --eval.dump_dir when set."""
-    prompts = load_prompts(cfg.eval.dataset, cfg.data, cfg.eval.split, "eval.dataset")
+    e = cfg.eval
+    prompts = load_prompts(e.dataset, cfg.data, e.split, "eval.dataset", Subset(e.dataset_config, e.dataset_revision,
+                                                                              e.data_files))
     out, dumped = {}, []
     bar = tqdm(total=2 * len(prompts), desc=f"eval step {step}", unit="group", leave=False, dynamic_ncols=True)
 

@@ -14,6 +14,7 @@ from torch import Tensor
 from instar.config import SFTConfig
 from instar.contract import Sample
 from instar.data.images import Vision
+from instar.data.records import Subset
 from instar.data.sft import load_sft_samples
 from instar.train import checkpoint
 from instar.train.batch import LossInputs
@@ -63,7 +64,8 @@ def _sft_rank(rank: int, world: int, port: int, cfg: SFTConfig) -> dict[str, flo
     torch.set_num_threads(cpu_threads(world))  # nothing else computes during SFT: the ranks share every core
     tokenizer = load_tokenizer(cfg.actor.model_name_or_path)
     samples = load_sft_samples(cfg.sft.dataset, tokenizer, cfg.sft.messages_key, cfg.sft.max_len,
-                               split=cfg.sft.split, vision=Vision.from_pretrained(cfg.actor.model_name_or_path))
+                               split=cfg.sft.split, vision=Vision.from_pretrained(cfg.actor.model_name_or_path),
+                               subset=Subset(cfg.sft.dataset_config, cfg.sft.dataset_revision, cfg.sft.data_files))
     train, held_out = _split(samples, cfg.sft.eval_fraction, cfg.actor.seed)
     steps_per_epoch = len(train) // cfg.sft.batch_size  # the incomplete last batch is dropped
     if steps_per_epoch == 0:
