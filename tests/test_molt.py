@@ -14,10 +14,12 @@ pytestmark = pytest.mark.slow
 
 def test_molts_quick_start_line_trains_a_molt_agent_and_the_kl_controller_follows_the_measured_kl(
         tmp_path, tiny_model_dir, capsys):
-    # molt_anthropic_agent.py rewards an answer that contains the label: "e" is in some of a random model's
-    # answers, so the rewards of a group differ and the policy moves
+    # molt_anthropic_agent.py rewards an answer that contains the label: "e" is in ~95% of a random model's
+    # answers (all 64 of a batch, ~4% of the time), a snowman in none, so the batch's rewards always differ and
+    # the policy moves
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"What is {i}*7+3?", "label": "e"}) + "\n" for i in range(40)))
+    prompts.write_text("".join(json.dumps({"prompt": f"What is {i}*7+3?", "label": "e" if i % 2 else "\u2603"}) + "\n"
+                               for i in range(40)))
     out = tmp_path / "run"
     main(["rl", "--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset", str(prompts),
           "--train.agent_path", str(ROOT / "tests/agents/molt_anthropic_agent.py"),
