@@ -120,18 +120,24 @@ class EngineActor:
         that ended meanwhile (`release`), first."""
         await self._serving()
         self.release(*released)
-        pending: dict[asyncio.Future, str] = {}  # each request on this loop, and its key
+        here = asyncio.get_running_loop()
+        finished: asyncio.Queue = asyncio.Queue()
+        pending: dict[str, concurrent.futures.Future] = {}
+        # each finished request is queued by its own callback: one wake per finish, never a scan of those left
         for key, *args in requests:
-            self.requests[key] = asyncio.run_coroutine_threadsafe(self.engine.generate(*args), self.loop)
-            pending[asyncio.wrap_future(self.requests[key])] = key
+            future = asyncio.run_coroutine_threadsafe(self.engine.generate(*args), self.loop)
+            future.add_done_callback(lambda f, key=key: here.call_soon_threadsafe(finished.put_nowait, (key, f)))
+            pending[key] = self.requests[key] = future
         try:
             while pending:
-                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                done = [await finished.get()]
                 if len(pending) > 1:  # more to come: what finishes in the next engine steps goes in this item
                     await asyncio.sleep(ITEM_GATHER_SECONDS)
+                while not finished.empty():
+                    done.append(finished.get_nowait())
                 item = []
-                for future in [f for f in pending if f.done()]:
-                    key = pending.pop(future)
+                for key, future in done:
+                    del pending[key]
                     self.requests.pop(key, None)
                     if not future.cancelled():  # aborted: nobody waits for it
                         error = future.exception()
@@ -139,7 +145,7 @@ class EngineActor:
                 if item:
                     yield item
         finally:
-            for future, key in pending.items():
+            for key, future in pending.items():
                 self.requests.pop(key, None)
                 future.cancel()
 

@@ -130,15 +130,16 @@ def _save_synced(obj: Any, path: str) -> None:
 
 
 # A checkpoint holds what training changes: the trainable parameters (LoRA: the adapters) and their optimizer
-# state; frozen weights come from the model's own checkpoint when it is built. Loading asks DCP for exactly these.
-_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
+# state; frozen weights come from the model's own checkpoint when it is built. Loading asks DCP for exactly these
+# (not strict: the frozen ones are left as built).
+_TRAINED = StateDictOptions(strict=False)
 
 
 def _sharded_state(models: Stateful) -> dict[str, Any]:
     out = {}
     for name, (model, optimizer) in models.items():
         weights, optim = get_state_dict(model, optimizer, options=_TRAINED)
-        # torch drops a frozen weight under its first name only: a tied head would still be saved
+        # every name of a frozen weight: torch's ignore_frozen_params drops a tied head's first name only
         frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
         out[name] = {"model": {k: v for k, v in weights.items() if k not in frozen}, "optim": optim}
     return out

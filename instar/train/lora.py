@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from instar.config import ActorConfig
+from instar.train.weight_sync import gathered
 
 ADAPTER = "default"  # PEFT's name for a model's one adapter; it appears in parameter names
 
@@ -128,7 +129,7 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     sharded piece is gathered on every rank."""
     for prefix, module in _adapted(model):
         parts = (module.base_layer.weight, module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight)
-        yield f"{prefix}.weight", _merge(*(_full(t) for t in parts), module.scaling[ADAPTER])
+        yield f"{prefix}.weight", _merge(*(gathered(t) for t in parts), module.scaling[ADAPTER])
 
 
 def merged_state(state: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
@@ -138,14 +139,6 @@ def merged_state(state: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor
         a, b = (state[f"{prefix}.lora_{x}.{ADAPTER}.weight"] for x in "AB")
         out[f"{prefix}.weight"] = _merge(out[f"{prefix}.weight"], a, b, module.scaling[ADAPTER])
     return out
-
-
-def _full(t: Tensor) -> Tensor:
-    if hasattr(t, "full_tensor"):  # a DTensor shard
-        if t.device.type != t.device_mesh.device_type:  # CPU-offloaded: gathers run on the mesh's device
-            t = t.detach().to(t.device_mesh.device_type)
-        return t.full_tensor()
-    return t.detach()
 
 
 def save_adapter(state: dict[str, Tensor], out_dir: str, base_model: str, model: nn.Module) -> None:

@@ -95,6 +95,16 @@ def _send_bucket(group: SyncGroup, index: int, table: list[tuple], flat: Tensor,
         _broadcast(group, flat)
 
 
+def gathered(param: Tensor) -> Tensor:
+    """``param`` whole, detached: a DTensor shard is all-gathered (collective: every rank of its mesh calls)."""
+    param = param.detach()
+    if hasattr(param, "full_tensor"):
+        if param.device.type != param.device_mesh.device_type:  # CPU-offloaded: NCCL gathers on GPU
+            param = param.to(param.device_mesh.device_type)
+        return param.full_tensor()
+    return param
+
+
 def send_weights(named_params: Iterable[tuple[str, Tensor]], group: SyncGroup | None, bucket_mb: float = 256.0,
                  dtype: torch.dtype | None = None, background: bool = False) -> dict[str, float]:
     """Call on every trainer rank (gathering a sharded parameter is collective); only the rank that
@@ -113,12 +123,7 @@ def send_weights(named_params: Iterable[tuple[str, Tensor]], group: SyncGroup | 
     buffer: Tensor | None = None
     used = 0
     for name, param in named_params:
-        if hasattr(param, "full_tensor"):  # a DTensor shard: all-gather it (every trainer rank takes part)
-            if param.device.type != param.device_mesh.device_type:  # CPU-offloaded: NCCL gathers on GPU
-                param = param.detach().to(param.device_mesh.device_type)
-            full = param.full_tensor()
-        else:
-            full = param
+        full = gathered(param)
         if group is None:
             continue
         wire_dtype = dtype or full.dtype
@@ -130,7 +135,7 @@ def send_weights(named_params: Iterable[tuple[str, Tensor]], group: SyncGroup | 
         if buffer is None or offset + nbytes > buffer.numel():
             buffer = _buffer(group, max(cap, nbytes))
         # one copy: gathers a strided view, casts and moves to the group's device on the way
-        buffer[offset:offset + nbytes].view(wire_dtype).view(full.shape).copy_(full.detach())
+        buffer[offset:offset + nbytes].view(wire_dtype).view(full.shape).copy_(full)
         table.append((name, str(wire_dtype).removeprefix("torch."), tuple(full.shape), offset, nbytes))
         used, sent = offset + nbytes, sent + nbytes
         del full

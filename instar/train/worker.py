@@ -69,7 +69,7 @@ ValueLossFn = Callable[[Tensor, LossInputs], tuple[Tensor, dict[str, Any]]]
 class TrainWorker:
     def __init__(self, actor: ActorConfig, fsdp: FSDPConfig, train: TrainConfig,
                  critic: CriticConfig | None = None, ref_path: str | None = None, cpu: CpuConfig | None = None) -> None:
-        self.actor, self.fsdp, self.train, self.critic_cfg, self.ref_path = actor, fsdp, train, critic, ref_path
+        self.fsdp, self.train, self.critic_cfg, self.ref_path = fsdp, train, critic, ref_path
         self.actor = lora.with_adapter_config(actor)  # --actor.lora_path: the adapter's own rank and targets
         self.cpu = cpu or CpuConfig()
         self.step = 0
