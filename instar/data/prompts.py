@@ -54,8 +54,8 @@ def _to_prompt(index: int, record: dict[str, Any], cfg: DataConfig, base: Path |
         raise ValueError(f"prompt {index}: {cfg.input_key!r} must be a string or a list of chat messages, "
                          f"got {type(value).__name__}")
     messages = normalise(prompt_messages(value, cfg.system_prompt or None), base, f"prompt {index}")
-    label = _optional(record, cfg.label_key)
-    tools, images = (without_nulls(_optional(record, k)) for k in (cfg.tools_key, cfg.image_key))
+    label = lookup(record, cfg.label_key, None)
+    tools, images = (without_nulls(lookup(record, k, None)) for k in (cfg.tools_key, cfg.image_key))
     if images is not None:
         if not isinstance(images, list):
             images = [images]
@@ -63,11 +63,6 @@ def _to_prompt(index: int, record: dict[str, Any], cfg: DataConfig, base: Path |
     keys = (cfg.input_key, cfg.label_key, cfg.tools_key, cfg.image_key)
     rest = {k: v for k, v in record.items() if k not in keys}
     return Prompt(index, messages, label, tools, rest, images or None)
-
-
-def _optional(record: dict[str, Any], key: str) -> Any:
-    value = lookup(record, key)
-    return None if value is MISSING else value
 
 
 class PromptStream:

@@ -92,15 +92,15 @@ def _csv_header(path: str) -> list[str]:
 MISSING = object()
 
 
-def lookup(record: dict[str, Any], key: str) -> Any:
+def lookup(record: dict[str, Any], key: str, missing: Any = MISSING) -> Any:
     """``record[key]``, or for a dotted key (``reward_model.ground_truth``) the nested value when no column has
-    that exact name; `MISSING` when there is neither."""
+    that exact name; ``missing`` when there is neither."""
     if key in record:
         return record[key]
     value: Any = record
     for part in key.split("."):
         if not isinstance(value, dict) or part not in value:
-            return MISSING
+            return missing
         value = value[part]
     return value
 

@@ -16,7 +16,7 @@ from typing import Any
 from instar.contract import NO_VERSION, ImageInputs, Sample
 from instar.data.chat import encode, render
 from instar.data.images import Vision, image_urls, normalise
-from instar.data.records import MISSING, Subset, lookup, read_records, without_nulls
+from instar.data.records import Subset, lookup, read_records, without_nulls
 
 
 class TemplateError(ValueError):
@@ -89,9 +89,8 @@ def load_sft_samples(source: str, tokenizer: Any, messages_key: str = "messages"
         if vision is not None:
             base = Path(source).parent if Path(source).is_file() else Path(source)
             messages = normalise(messages, base, f"--sft.dataset record {n}")
-        tools = lookup(record, tools_key)
-        sample = conversation_sample(tokenizer, messages, None if tools is MISSING else without_nulls(tools), max_len,
-                                     vision)
+        tools = without_nulls(lookup(record, tools_key, None))
+        sample = conversation_sample(tokenizer, messages, tools, max_len, vision)
         if sample is not None:
             samples.append(sample)
     if not samples:
