@@ -40,8 +40,7 @@ class _GymAdapter(Env):
 
     async def step(self, state: dict) -> Result:
         observation, reward, terminated, truncated, info = await asyncio.to_thread(self.env.step, state["action_text"])
-        done = bool(terminated) or bool(truncated)
-        observation = "" if done else _text(observation, f"{self.gym_class.__name__}.step")
+        observation = "" if terminated or truncated else _text(observation, f"{self.gym_class.__name__}.step")
         return Result(reward=float(reward), observation=observation, terminated=bool(terminated),
                       truncated=bool(truncated), info=info or {})
 

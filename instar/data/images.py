@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +145,7 @@ class Vision:
 
     def __init__(self, processor: Any, token_id: int, merge: int) -> None:
         self.processor, self.token_id, self.merge = processor, token_id, merge
-        self._cache: OrderedDict[str, ImageInputs] = OrderedDict()
+        self.encode = functools.lru_cache(maxsize=CACHED_IMAGES)(self._encode)  # one image's patches, by data URL
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Vision | None:
@@ -160,17 +160,10 @@ class Vision:
         return cls(AutoImageProcessor.from_pretrained(str(path)), config.image_token_id,
                    config.vision_config.spatial_merge_size)
 
-    def encode(self, url: str, where: str = "image") -> ImageInputs:
-        """One image's patches, cached by its data URL."""
-        found = self._cache.get(url)
-        if found is None:
-            out = self.processor(images=[load_image(url, where)], return_tensors="pt")
-            found = ImageInputs(out["pixel_values"].float(), out["image_grid_thw"].long(), self.token_id, self.merge)
-            self._cache[url] = found
-            if len(self._cache) > CACHED_IMAGES:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(url)
-        return found
+    def _encode(self, url: str) -> ImageInputs:
+        """One image's patches (`encode` is this, cached)."""
+        out = self.processor(images=[load_image(url)], return_tensors="pt")
+        return ImageInputs(out["pixel_values"].float(), out["image_grid_thw"].long(), self.token_id, self.merge)
 
     def expand(self, ids: list[int], urls: list[str]) -> tuple[list[int], list[ImageInputs]]:
         """``ids`` as the chat template wrote them (one placeholder per image) with each placeholder

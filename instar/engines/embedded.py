@@ -313,10 +313,8 @@ class EmbeddedEngine:
         """One forward over ``group``'s uncached tokens, then one sampled token for each live request."""
         new = [r.ids[r.cached:] for r in group]
         model, version = self._previous if group[0].previous else (self.model, self._version)
-        rope, images = None, None
-        if self._vision:
-            rope = [r.rope_of(r.cached, len(r.ids)) for r in group]
-            images = [image_features(model, r) for r in group]
+        rope = [r.rope_of(r.cached, len(r.ids)) for r in group] if self._vision else None
+        images = [image_features(model, r) for r in group] if self._vision else None
         batch = make_batch(self._cache, new, [r.slot for r in group], [r.cached for r in group], rope, images,
                            shared_prompts(group))
         logits, routed = forward(model, self._cache, batch, self.accelerator)

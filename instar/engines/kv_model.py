@@ -270,11 +270,9 @@ def attend(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
             continue
         span, first = group.span, group.first_slot
         if first is not None:  # the rows' slots in order: the cache's own slice
-            keys = cache.k[layer][first: first + len(group.slots), :, :span]
-            values = cache.v[layer][first: first + len(group.slots), :, :span]
+            keys, values = (c[layer][first: first + len(group.slots), :, :span] for c in (cache.k, cache.v))
         else:  # index_select is much faster than advanced indexing here
-            keys = cache.k[layer][:, :, :span].index_select(0, group.slots)
-            values = cache.v[layer][:, :, :span].index_select(0, group.slots)
+            keys, values = (c[layer][:, :, :span].index_select(0, group.slots) for c in (cache.k, cache.v))
         if group.grid is None:  # a pure decode step: every row, in packed order
             out = _decode_attention(q, keys, values, group.decode_bias(q.shape[1]), attn.scaling)
         elif group.grid.shape[1] == 1:  # the decode rows of a step that also prefills

@@ -154,9 +154,8 @@ class VLLMEngine:
         """Sample one turn after ``prompt_token_ids``. ``session_id`` is not needed: vLLM's prefix cache
         finds a session's earlier turns by their token ids. Images are not passed to vLLM yet."""
         _no_images(images)
-        async for generation in self._sample(prompt_token_ids, sampling_params, streamed=False):  # noqa: B007
-            pass  # one item: the Generation
-        return generation
+        async with contextlib.aclosing(self._sample(prompt_token_ids, sampling_params, streamed=False)) as items:
+            return await anext(items)  # its one item: the Generation
 
     def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                session_id: str | None = None, images: ImageInputs | None = None,
@@ -279,10 +278,8 @@ class VLLMEngine:
             raise RuntimeError(f"vLLM finished a request with finish_reason {out.finish_reason!r}; "
                                f"instar expects one of {FINISH_REASONS}")
         logprobs = [float(step[token].logprob) for step, token in zip(out.logprobs or [], tokens)]
-        versions = []
-        for span in out.weight_versions or []:
-            label = self._start_version if span.version == "default" else int(span.version)
-            versions += [label] * (span.end - span.start)
+        versions = [self._start_version if span.version == "default" else int(span.version)
+                    for span in out.weight_versions or [] for _ in range(span.start, span.end)]
         if len(logprobs) != len(tokens) or len(versions) != len(tokens):
             raise RuntimeError(f"vLLM returned {len(tokens)} tokens but {len(logprobs)} logprobs and "
                                f"{len(versions)} versions")

@@ -15,7 +15,7 @@ engine layer must not import, and vLLM's RPC carries strings but not functions.
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -35,11 +35,6 @@ def with_tied_head(named_tensors: Iterable[tuple[str, torch.Tensor]], tied: bool
             yield HEAD, tensor
 
 
-def resolve(qualname: str):
-    module, _, attr = qualname.rpartition(".")
-    return getattr(importlib.import_module(module), attr)
-
-
 class WeightSyncExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``reload_weights``, ``rank``)."""
 
@@ -51,10 +46,10 @@ class WeightSyncExtension:
     def instar_join_weight_group(self, open_group: str, master_addr: str, master_port: int, first_rank: int,
                                  world_size: int, device: str) -> None:
         """Join the broadcast group as rank ``first_rank + <this worker's tensor-parallel rank>``."""
-        self.instar_weight_group = resolve(open_group)(master_addr, master_port, first_rank + self.rank, world_size,
-                                                       device=device)
+        self.instar_weight_group = pkgutil.resolve_name(open_group)(master_addr, master_port, first_rank + self.rank,
+                                                                    world_size, device=device)
 
     def instar_receive_weights(self, receive: str, tied: bool) -> None:
         """Consume one broadcast to its end marker (every bucket is a collective) and load it."""
-        stream = resolve(receive)(self.instar_weight_group)
+        stream = pkgutil.resolve_name(receive)(self.instar_weight_group)
         self.reload_weights(weights_iterator=with_tied_head(stream, tied), is_checkpoint_format=True)

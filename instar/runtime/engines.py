@@ -140,8 +140,7 @@ class EngineActor:
                     del pending[key]
                     self.requests.pop(key, None)
                     if not future.cancelled():  # aborted: nobody waits for it
-                        error = future.exception()
-                        item.append((key, future.result() if error is None else error))
+                        item.append((key, future.exception() or future.result()))
                 if item:
                     yield item
         finally:

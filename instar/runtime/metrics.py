@@ -16,14 +16,9 @@ class Usage:
         self.last: tuple[float, dict[str, float]] = (time.perf_counter(), {})
 
     async def read(self) -> dict[str, float]:
-        totals: dict[str, float] = {}
-        for m in await _answers(a.metrics.remote() for a in self.agents):
-            for k, v in m.items():
-                totals[k] = totals.get(k, 0.0) + v
+        totals = await _summed(a.metrics.remote() for a in self.agents)
         now, use = time.perf_counter(), {"agent_cpu_seconds": totals.pop("agent/cpu_seconds", 0.0)}
-        for m in await _answers(e.stats.remote() for e in self.engines):
-            for k, v in m.items():
-                use[k] = use.get(k, 0.0) + v
+        use |= await _summed(e.stats.remote() for e in self.engines)
         (then, last), self.last = self.last, (now, use)
         delta = {k: v - last.get(k, 0.0) for k, v in use.items()}
         if now > then:
@@ -41,13 +36,17 @@ class Usage:
         return totals
 
 
-async def _answers(calls: Iterable[Any]) -> list[dict[str, float]]:
-    """The actors' answers; one that Ray is restarting (see `Cluster`) is left out of this step's
-    figures rather than failing the run (its counters restart from zero, so one delta jumps)."""
+async def _summed(calls: Iterable[Any]) -> dict[str, float]:
+    """The actors' answers summed key by key; one that Ray is restarting (see `Cluster`) is left out of this
+    step's figures rather than failing the run (its counters restart from zero, so one delta jumps)."""
     import ray
 
-    out = await asyncio.gather(*calls, return_exceptions=True)
-    for x in out:
-        if isinstance(x, BaseException) and not isinstance(x, ray.exceptions.RayActorError):
+    total: dict[str, float] = {}
+    for x in await asyncio.gather(*calls, return_exceptions=True):
+        if isinstance(x, ray.exceptions.RayActorError):
+            continue
+        if isinstance(x, BaseException):
             raise x
-    return [x for x in out if not isinstance(x, BaseException)]
+        for k, v in x.items():
+            total[k] = total.get(k, 0.0) + v
+    return total

@@ -7,7 +7,7 @@ transformers. Other packed-row attentions are registered by name in `REGISTERED`
 from __future__ import annotations
 
 import functools
-import importlib
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -208,10 +208,7 @@ optional CPU accelerator's (--cpu.enable), which transformers knows as ``instar_
 def registered(impl: str) -> Registered | None:
     """The `Registered` attention behind transformers' ``impl`` (``instar_<name>``), if any."""
     target = REGISTERED.get(impl.removeprefix("instar_")) if impl.startswith("instar_") else None
-    if target is None:
-        return None
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return None if target is None else pkgutil.resolve_name(target)
 
 
 def packed_rows(impl: str) -> bool:

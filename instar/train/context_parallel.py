@@ -94,8 +94,7 @@ def split_row(input_ids: Tensor, position_ids: Tensor, segments: Segments, group
     row_pos = torch.cat([position_ids, torch.arange(pad, device=position_ids.device)[None]], dim=1)
     size = (n + pad) // cp
     start = dist.get_rank(group) * size
-    if positions is None:
-        positions = torch.arange(n, device=input_ids.device)
+    positions = torch.arange(n, device=input_ids.device) if positions is None else positions
     mine = (positions >= start) & (positions < start + size)
     return Chunk(row_ids[:, start:start + size], row_pos[:, start:start + size], mine, positions[mine] - start,
                  {"cp_group": group, "row_segments": segments.padded(n + pad)}, start, n + pad)

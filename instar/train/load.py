@@ -187,10 +187,8 @@ class Source:
             else:
                 d, parts, start = self.cat_dim, [], 0
                 for keys in self.groups:
-                    if self.stacked:  # dim 0 counts the stacked tensors; theirs are shifted by one
-                        width = len(keys) if d == 0 else reader.shape(keys[0])[d - 1]
-                    else:
-                        width = reader.shape(keys[0])[d]
+                    # stacked: dim 0 counts the stacked tensors, and their own dims are shifted by one
+                    width = len(keys) if self.stacked and d == 0 else reader.shape(keys[0])[d - int(self.stacked)]
                     lo, hi = max(box[d].start, start), min(box[d].stop, start + width)
                     if lo < hi:
                         part = box[:d] + (slice(lo - start, hi - start),) + box[d + 1:]

@@ -18,6 +18,7 @@ import pickle
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -41,16 +42,14 @@ class SyncGroup:
     and syncs. Freed host memory goes back to the OS and faulting fresh memory in costs more than
     broadcasting it; on GPU the caching allocator keeps freed memory anyway, and holding it would
     take it from training."""
-    sending: threading.Thread | None = None  # the sender's background broadcast (`send_weights`), if any
+    sending: Future | None = None  # the sender's background broadcast (`send_weights`), if any
     tables: list[list[tuple]] = field(default_factory=list)  # each bucket's table in the last sync, both ends
 
     def wait_sent(self) -> None:
         """Return once a background broadcast has gone out; raise what it raised."""
-        thread, self.sending = self.sending, None
-        if thread is not None:
-            thread.join()
-            if (error := getattr(thread, "error", None)) is not None:
-                raise error
+        sending, self.sending = self.sending, None
+        if sending is not None:
+            sending.result()
 
 
 def open_sync_group(master_addr: str, master_port: int, rank: int, world_size: int,
@@ -61,10 +60,8 @@ def open_sync_group(master_addr: str, master_port: int, rank: int, world_size: i
     timeout = timedelta(seconds=timeout_s)
     store = open_store(master_addr, master_port, world_size, timeout)
     prefixed = dist.PrefixStore("instar_weight_sync", store)
-    if device == "cuda":
-        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size)
-    else:
-        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    pg = (dist.ProcessGroupNCCL(prefixed, rank, world_size) if device == "cuda" else
+          dist.ProcessGroupGloo(prefixed, rank, world_size, timeout))
     return SyncGroup(pg=pg, rank=rank, device=device, store=store)
 
 
@@ -147,8 +144,8 @@ def send_weights(named_params: Iterable[tuple[str, Tensor]], group: SyncGroup | 
         _send_bucket(group, buckets, table, buffer[:used] if table else torch.empty(0, dtype=torch.uint8), last=True)
 
     if background and buckets == 0 and group.device == "cpu":
-        group.sending = threading.Thread(target=_recording(finish), name="weight-sync", daemon=True)
-        group.sending.start()
+        group.sending = Future()
+        threading.Thread(target=_run, args=(finish, group.sending), name="weight-sync", daemon=True).start()
         return stats | {"weight_sync/seconds": time.perf_counter() - start, "weight_sync/background": 1.0}
     finish()
     seconds = time.perf_counter() - start
@@ -156,14 +153,12 @@ def send_weights(named_params: Iterable[tuple[str, Tensor]], group: SyncGroup | 
                     "weight_sync/background": 0.0}
 
 
-def _recording(fn: Callable[[], None]) -> Callable[[], None]:
-    """``fn`` for a thread: what it raises is kept on the thread for `SyncGroup.wait_sent`."""
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as error:  # noqa: BLE001 - handed to the joining thread
-            threading.current_thread().error = error
-    return run
+def _run(fn: Callable[[], None], outcome: Future) -> None:
+    """``fn()`` on a thread of its own: what it returns or raises goes to ``outcome`` (`SyncGroup.wait_sent`)."""
+    try:
+        outcome.set_result(fn())
+    except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+        outcome.set_exception(error)
 
 
 def receive_weights(group: SyncGroup, reuse_buffer: bool = False) -> Iterator[tuple[str, Tensor]]:
