@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, get_args
 
 from instar.algo.advantages import registered, token_level
 from instar.algo.is_correction import check_is_correction
 from instar.config import ActorConfig, ConfigError, FSDPConfig, RLConfig
+from instar.config.policy import LossAggMode
+from instar.data.chat import read_template
 
 
 def check(cfg: RLConfig) -> None:
@@ -41,6 +43,7 @@ def check(cfg: RLConfig) -> None:
         raise ConfigError(f"--actor.dual_clip must be > 1, got {actor.dual_clip}")
     _check_algo(cfg)
     _check_batches(cfg)
+    read_template(cfg.data.chat_template, cfg.data.chat_template_kwargs, "data")
     check_lora(actor, cfg.fsdp)
 
 
@@ -89,8 +92,7 @@ def check_layout(fsdp: FSDPConfig, model: Any = None) -> None:
     """The trainer's mesh: --fsdp.num_ranks = data x cp x tp ranks, experts split over ep of the data
     ranks. With ``model`` (an HF config) also that heads and experts divide."""
     tp, ep, cp, n = fsdp.tp_size, fsdp.ep_size, fsdp.cp_size, fsdp.num_ranks
-    for name in ("tp_size", "ep_size", "cp_size"):
-        size = getattr(fsdp, name)
+    for name, size in (("tp_size", tp), ("ep_size", ep), ("cp_size", cp)):
         if size < 1:
             raise ConfigError(f"--fsdp.{name} must be >= 1, got {size}")
     if n % (tp * cp):
@@ -156,6 +158,8 @@ def _check_algo(cfg: RLConfig) -> None:
     low, high = actor.eps_clip_low_high
     if not (0 <= low < 1 and high >= 0):
         raise ConfigError(f"--actor.eps_clip_low_high must satisfy 0 <= low < 1 and high >= 0, got {low} {high}")
+    if actor.loss_agg_mode not in get_args(LossAggMode):
+        raise ConfigError(f"--actor.loss_agg_mode must be one of {get_args(LossAggMode)}, got {actor.loss_agg_mode!r}")
     if actor.dual_clip is not None and actor.loss_mode == "cispo":
         raise ConfigError("--actor.dual_clip caps the PPO/GSPO surrogate; cispo has none: unset --actor.dual_clip")
     if not (0 < adv.gamma <= 1 and 0 <= adv.lam <= 1):

@@ -11,6 +11,7 @@ import base64
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import math
 from dataclasses import dataclass, field, fields
@@ -95,13 +96,11 @@ class ImageInputs:
 
     def runs(self, token_ids: list[int]) -> list[tuple[int, int]]:
         """(start, end) of each placeholder run in ``token_ids``."""
-        found, start = [], None
-        for i, t in enumerate([*token_ids, -1]):
-            if t == self.token_id and start is None:
-                start = i
-            elif t != self.token_id and start is not None:
-                found.append((start, i))
-                start = None
+        found, end = [], 0
+        for token, run in itertools.groupby(token_ids):
+            start, end = end, end + len(list(run))
+            if token == self.token_id:
+                found.append((start, end))
         return found
 
     def keys(self, token_ids: list[int]) -> list[int]:
@@ -165,6 +164,12 @@ class Sample:
     def num_actions(self) -> int:
         return sum(self.action_mask)
 
+    @property
+    def turn_ends(self) -> list[int]:
+        """The last action token of each sampled turn in this segment."""
+        m = self.action_mask
+        return [i for i, a in enumerate(m) if a and (i + 1 == len(m) or not m[i + 1])]
+
     def validate(self, where: str = "sample") -> None:
         n = len(self.token_ids)
         for name in ("action_mask", "rollout_logprobs", "versions"):
@@ -186,8 +191,7 @@ class Sample:
                         f"{where}.versions[{i}] on an action token must be a policy version >= 0, got {v!r}")
         if not any(self.action_mask):
             raise ContractError(f"{where} has no action tokens (action_mask is all 0); nothing to train on")
-        if self.routed_experts is not None:
-            r = self.routed_experts
+        if (r := self.routed_experts) is not None:
             if not isinstance(r, torch.Tensor) or r.dim() != 3 or r.shape[0] != n or r.is_floating_point():
                 shape = tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__
                 raise ContractError(
@@ -210,6 +214,9 @@ class Trajectory:
     prompt_index: int = -1
     finish_reason: str = "stop"  # "stop", "length" (a token budget ran out), "abort"
     metadata: dict[str, Any] = field(default_factory=dict)  # the prompt record's other columns
+    turns: int = 0  # sampled turns
+    tool_calls: int = 0  # tool calls in them
+    turn_rewards: list[float] | None = None  # one per sampled turn, when the agent gave them (an Env does)
 
     @property
     def truncated(self) -> bool:
@@ -227,6 +234,10 @@ class Trajectory:
             seg.validate(where=f"trajectory {self.rollout_id!r} segment {k}")
         if not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
             raise ContractError(f"trajectory {self.rollout_id!r} reward must be a finite number, got {self.reward!r}")
+        ends = sum(len(s.turn_ends) for s in self.segments)
+        if self.turn_rewards is not None and len(self.turn_rewards) != ends:
+            raise ContractError(f"trajectory {self.rollout_id!r} has {len(self.turn_rewards)} turn rewards for {ends} "
+                                "sampled turns")
 
     def to_json(self) -> str:
         return json.dumps(_encode(self), sort_keys=True)
@@ -252,9 +263,14 @@ class Result:
     score: float | None = None
     sampling_params: SamplingParams | None = None
     images: list[Any] | None = None
+    turn_rewards: list[float] | None = None
+    """A ChatAgent's reward for each turn it sampled through the traced routes (an Env's are its steps' rewards):
+    the token-level estimators (reinforce, gae) credit each turn with its reward and the later ones'."""
 
     def __post_init__(self) -> None:
         self.reward = to_float(self.reward, "Result.reward")
+        if self.turn_rewards is not None:
+            self.turn_rewards = [to_float(r, "Result.turn_rewards") for r in self.turn_rewards]
         self.score = None if self.score is None else to_float(self.score, "Result.score")
         self.info = {k: to_float(v, f"Result.info[{k!r}]") if isinstance(v, torch.Tensor) else v
                      for k, v in self.info.items()}
@@ -273,8 +289,7 @@ def to_float(x: Any, name: str) -> float:
 
 def write_jsonl(path: str, trajectories: list[Trajectory]) -> None:
     with open(path, "a") as f:
-        for t in trajectories:
-            f.write(t.to_json() + "\n")
+        f.writelines(t.to_json() + "\n" for t in trajectories)
 
 
 def read_jsonl(path: str) -> list[Trajectory]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -24,7 +25,8 @@ from instar.algo import KLController
 from instar.checks import check
 from instar.config import ConfigError, RLConfig
 from instar.contract import SamplingParams, Trajectory, write_jsonl
-from instar.data.prompts import PromptStream, load_prompts
+from instar.data.chat import load_tokenizer
+from instar.data.prompts import PromptStream, drop_overlong, load_prompts
 from instar.runtime import batching
 from instar.runtime.cluster import Cluster
 from instar.runtime.evaluate import evaluate as evaluate_agents
@@ -34,11 +36,11 @@ from instar.train import checkpoint, run_dir
 from instar.train.batch import StepInputs
 
 
-def run(cfg: RLConfig, dataset: Any = None) -> dict[str, float]:
+def run(cfg: RLConfig, dataset: Any = None, reward_fns: Sequence[Callable[..., Any]] = ()) -> dict[str, float]:
     """Train until --train.max_steps; returns the last step's metrics. ``dataset``: prompt records given from
-    Python (`instar.rl`) instead of --data.prompt_dataset."""
+    Python (`instar.rl`) instead of --data.prompt_dataset; ``reward_fns``: reward functions as callables."""
     check(cfg)
-    return asyncio.run(_run(cfg, dataset))
+    return asyncio.run(_run(cfg, dataset, reward_fns))
 
 
 def evaluate(cfg: RLConfig) -> dict[str, float]:
@@ -46,8 +48,8 @@ def evaluate(cfg: RLConfig) -> dict[str, float]:
     figures are also appended to --ckpt.output_dir/eval.jsonl (and TensorBoard / W&B when asked)."""
     if not cfg.eval.dataset:
         raise ConfigError("--eval.dataset is required: the prompts (with labels) to evaluate on")
-    if not cfg.train.agent_path:
-        raise ConfigError("--train.agent_path is required: the agent (Env or ChatAgent) that scores each answer")
+    if not (cfg.train.agent_path or cfg.train.reward_fns):
+        raise ConfigError("--train.agent_path or --train.reward_fns is required: what scores each answer")
 
     async def go() -> dict[str, float]:
         async with Cluster(cfg, train=False) as cluster:
@@ -64,13 +66,16 @@ def sampling_params(cfg: RLConfig) -> SamplingParams:
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=cfg.data.max_new_tokens)
 
 
-async def _run(cfg: RLConfig, dataset: Any = None) -> dict[str, float]:
+async def _run(cfg: RLConfig, dataset: Any, reward_fns: Sequence[Callable[..., Any]]) -> dict[str, float]:
     out = output_dir(cfg)
-    prompts = load_prompts(cfg.data.prompt_dataset if dataset is None else dataset, cfg.data)
+    data = cfg.data
+    tokenizer = load_tokenizer(cfg.actor.model_name_or_path, data.chat_template, data.chat_template_kwargs)
+    prompts = drop_overlong(load_prompts(data.prompt_dataset if dataset is None else dataset, data), tokenizer,
+                            data.max_len)
     stream = PromptStream(prompts, cfg.actor.seed, cfg.data.shuffle)
     kl = KLController.from_config(cfg.algo.kl)
     sampling = sampling_params(cfg)
-    async with Cluster(cfg) as cluster:
+    async with Cluster(cfg, reward_fns=reward_fns) as cluster:
         step, pool_state = await resume(cfg, cluster, stream, kl)
         pool: Pool = (ReplayPool(cfg.train.rollout_replay_dir, step) if cfg.train.rollout_replay_dir
                       else RolloutPool(cluster.agents, stream, cfg, sampling, pool_state,
@@ -157,7 +162,8 @@ async def train(cfg: RLConfig, cluster: Cluster, kl: KLController, rows: batchin
     idle = batching.forward_only(cfg, rows.samples, adv, kl.value)
     stats = await cluster.trainer.train_policy(
         rows.samples, partial(batching.rl_loss, cfg, kl.value),
-        StepInputs(advantages=adv, old_logprobs=old, ref_logprobs=ref), temp, updates, idle)
+        StepInputs(advantages=adv, old_logprobs=old, ref_logprobs=ref, seq_weights=batching.seq_weights(cfg, rows)),
+        temp, updates, idle)
     metrics = stats.metrics | {"actor/forward_only": len(idle) / len(rows.samples)}
     if values is not None:
         critic = await cluster.trainer.train_critic(rows.samples, partial(batching.critic_loss, cfg),
@@ -267,12 +273,10 @@ async def resume(cfg: RLConfig, cluster: Cluster, stream: PromptStream, kl: KLCo
     # What was written after the checkpoint (or by a run that died before its first) is redone now
     run_dir.truncate_lines(Path(cfg.ckpt.output_dir) / "ledger.jsonl", extra["ledger_lines"])
     run_dir.truncate_dumps(cfg.train.rollout_dump_dir, extra["step"])
-    if path is None:
-        if cfg.actor.lora_path:  # the engines hold the base; the policy starts from a trained adapter
-            await cluster.sync_weights(0, cluster.plan.resume_in_flight)
-        return 0, PoolState()
-    pool = PoolState.from_json(extra["pool"])
-    stream.load_state_dict(extra["stream"], pending=[(g.epoch, g.prompt_index) for g in pool.pending])
-    kl.load_state_dict(extra["kl"])
-    await cluster.sync_weights(extra["step"], cluster.plan.resume_in_flight)
+    pool = PoolState.from_json(extra["pool"]) if path else PoolState()
+    if path:
+        stream.load_state_dict(extra["stream"], pending=[(g.epoch, g.prompt_index) for g in pool.pending])
+        kl.load_state_dict(extra["kl"])
+    if path or cfg.actor.lora_path:  # a fresh run from a trained adapter: the engines hold only the base
+        await cluster.sync_weights(extra["step"], cluster.plan.resume_in_flight)
     return extra["step"], pool

@@ -157,3 +157,18 @@ async def test_failing_agents_are_dropped_and_counted_and_the_run_goes_on(script
     assert ctx.base_url == f"{host.server.root}/s/{ctx.session_id}/v1"
     assert ctx.untraced_base_url == f"{host.server.root}/u/{ctx.session_id}/v1"
     assert ctx.session_url == f"{host.server.root}/s/{ctx.session_id}" and len(ctx.api_key) >= 32
+
+
+@pytest.mark.asyncio
+async def test_on_agent_error_keep_trains_what_was_sampled_with_the_given_reward(scripted):
+    """--train.on_agent_error keep: a framework that raises after sampling (a turn cut by the token limit) keeps
+    its rollout at --train.agent_error_reward; the error is counted, and still dropped with nothing sampled."""
+    async with hosting(scripted, StepEnvRunner(Broken)) as (host, _):
+        host.error_reward = -1.0
+        traj = await host.rollout(task())
+        host.runner = ChatAgentRunner(Silent)
+        assert await host.rollout(task()) is None  # raised before sampling? here: nothing sampled at all
+    assert (traj.reward, traj.info, traj.turns) == (-1.0, {"error": "ValueError: bad action"}, 1)
+    [seg] = traj.segments
+    assert sum(seg.action_mask) == len(encode(scripted.tokenizer, "The answer is 5.")) + 1
+    assert host.metrics() == {"agent/finished": 1.0, "agent/dropped_invalid": 1.0, "agent/kept_error_ValueError": 1.0}

@@ -191,3 +191,28 @@ async def test_shutdown_cancels_rollouts_in_flight_quietly(tiny_model_dir, caplo
     assert host.metrics() == {"agent/finished": 0.0, "agent/cancelled": 3.0}
     assert engine.cancelled.is_set()  # the engine requests were cancelled with them
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+class AgentsSdkUnguarded(ChatAgent):
+    """The OpenAI Agents SDK as most users write it: nothing catches the ModelBehaviorError it raises when a turn
+    ends "incomplete" (cut at --data.max_new_tokens)."""
+
+    async def run(self, ctx):
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        try:
+            result = await Runner.run(Agent(name="calc", model=OpenAIResponsesModel("tiny", client)), ctx.prompt)
+        finally:
+            await client.close()
+        return answer(result.final_output)
+
+
+@pytest.mark.asyncio
+async def test_on_agent_error_keep_trains_the_turn_the_agents_sdk_rejects(scripted):
+    async with hosting(scripted, ChatAgentRunner(AgentsSdkUnguarded), max_new_tokens=3) as (host, _):
+        assert await host.rollout(task("5")) is None  # --train.on_agent_error drop: the rollout is lost
+        host.error_reward = 0.0  # keep
+        traj = await host.rollout(task("5"))
+    assert (traj.reward, traj.finish_reason, traj.turns) == (0.0, "length", 1)
+    assert traj.info["error"].startswith("ModelBehaviorError") and sum(traj.segments[0].action_mask) == 3
+    assert host.metrics() == {"agent/finished": 1.0, "agent/dropped_error_ModelBehaviorError": 1.0,
+                              "agent/kept_error_ModelBehaviorError": 1.0}

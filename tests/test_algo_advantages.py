@@ -140,6 +140,15 @@ def test_gae_discount():
     torch.testing.assert_close(adv, torch.tensor([[0, -0.25, 0, 0], [0, 0.5, 0, 0]]))
 
 
+def test_whiten_gae_advantages_over_the_batch_but_not_the_returns():
+    adv, returns, _ = compute_advantages(algo("gae", gamma=1.0, lam=0.5, whiten=True), gae_batch())
+    # A = [1/8, 2/8, 4/8] (above): mean 7/24, deviations [-4, -1, 5] / 24, population var 42 / 576 / 3 = 7 / 288,
+    # so (A - mean) / std = [-4, -1, 5] / 24 * 12 sqrt(2/7)
+    k = math.sqrt(2 / 7)
+    torch.testing.assert_close(adv, torch.tensor([[0, -2 * k, 0, -0.5 * k], [0, 2.5 * k, 0, 0]]))
+    torch.testing.assert_close(returns, torch.tensor([[0, 0.625, 0, 0.75], [0, 1.0, 0, 0]]))  # A + V before
+
+
 def test_on_policy_distill_is_teacher_minus_student_logprob():
     mask = torch.tensor([[1, 1, 0]])
     x = AdvantageInputs(action_mask=mask, rewards=torch.tensor([3.]), group_index=torch.tensor([0]),

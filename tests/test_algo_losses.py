@@ -1,4 +1,4 @@
-"""Policy and value losses: golden values, the global token-mean property, NaN safety."""
+"""Policy and value losses: golden values, each loss aggregation, the split invariance, NaN safety."""
 
 import math
 import typing
@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from instar.algo import LOSSES, policy_loss, value_loss
-from instar.config import ActorConfig, RLConfig
+from instar.checks import check
+from instar.config import ActorConfig, ConfigError, RLConfig
 
 
 def rl(loss_mode: str = "ppo", **actor) -> RLConfig:
@@ -89,6 +90,50 @@ def test_entropy_bonus_and_kl_loss():
         policy_loss(cfg, lp, old, old, torch.zeros(1, 2), torch.ones(1, 2), ref_logprobs=ref)
 
 
+AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+
+@pytest.mark.parametrize("agg, expected, entropy", [
+    # trajectory A: rows 0 and 1, advantages 1, 2 | 3 (T = 3, sum 6); B: row 2, advantages 1 x 4 (T = 4, sum 4)
+    ("token-mean", -10 / 7, 1.0),  # (6 + 4) / 7 tokens; entropy 1 on every token: its mean 1
+    ("seq-mean-token-mean", -(6 / 3 + 4 / 4) / 2, 1.0),
+    ("seq-mean-token-sum", -(6 + 4) / 2, 7 / 2),
+    ("seq-mean-token-sum-norm", -(6 + 4) / (2 * 8), 7 / 16),  # --data.max_new_tokens 8
+])
+def test_loss_aggregation_modes(agg, expected, entropy):
+    cfg = rl(entropy_coef=0.1, loss_agg_mode=agg)
+    cfg.data.max_new_tokens = 8
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    adv = torch.tensor([[1., 2, 0, 0], [3, 0, 0, 0], [1, 1, 1, 1]])
+    seq_weights = mask / torch.tensor([[3.], [3], [4]])  # 1 / the action tokens of the row's trajectory
+    weight = {"token-mean": torch.full((3, 1), 1 / 7), "seq-mean-token-mean": seq_weights / 2,
+              "seq-mean-token-sum": torch.full((3, 1), 1 / 2), "seq-mean-token-sum-norm": torch.full((3, 1), 1 / 16)}
+    old = torch.full((3, 4), -1.0)
+    lp = old.clone().requires_grad_()
+    ent = torch.ones(3, 4)
+    total, metrics = 0.0, {}
+    for rows in ([0, 2], [1]):  # trajectory A in both micro-batches: the shares sum to the update's loss
+        loss, m = policy_loss(cfg, lp[rows], old[rows], old[rows], adv[rows], mask[rows], entropy=ent[rows],
+                              global_num_tokens=7, seq_weights=seq_weights[rows], global_num_seqs=2)
+        loss.backward()
+        total += loss.item()
+        metrics = {k: metrics.get(k, 0.0) + v.item() for k, v in m.items()}
+    assert total == pytest.approx(expected - 0.1 * entropy, rel=1e-6)
+    # ratio 1, unclipped: d(-r A)/d logprob = -A on each token, times its weight
+    torch.testing.assert_close(lp.grad, torch.where(mask, -adv * weight[agg], 0))
+    assert metrics["policy_loss"] == pytest.approx(-10 / 7, rel=1e-6)  # metrics stay token means
+    assert metrics["entropy"] == pytest.approx(1.0)
+
+
+def test_loss_aggregation_errors_name_the_flag():
+    with pytest.raises(ValueError, match="seq-mean --actor.loss_agg_mode needs seq_weights and global_num_seqs"):
+        run(rl(loss_agg_mode="seq-mean-token-sum"), torch.zeros(1, 2), torch.ones(1, 2))
+    cfg = RLConfig()
+    cfg.actor.loss_agg_mode = "seq-mean"
+    with pytest.raises(ConfigError, match=r"^--actor.loss_agg_mode must be one of \('token-mean', .*got 'seq-mean'$"):
+        check(cfg)
+
+
 def test_value_loss_clipped():
     values = torch.tensor([[1.0, 2.0]], requires_grad=True)
     loss, m = value_loss(values, torch.tensor([[0.5, 0.5]]), torch.tensor([[1.0, 0.0]]), torch.ones(1, 2), clip=0.2)
@@ -125,7 +170,7 @@ def test_masked_huge_ratio_gives_exactly_zero_gradient(mode, level, is_mode):
         assert lp.grad[0, 0].item() != 0 and lp.grad[0, 3].item() != 0
 
 
-# ---- global token-mean: the gradient does not depend on the split ------------------------------------
+# ---- every aggregation: the gradient does not depend on the split -------------------------------------
 
 @st.composite
 def batches(draw):
@@ -140,20 +185,24 @@ def batches(draw):
     # the split: every row goes to one of up to 6 (rank, micro-batch) slots; summing the shares of all slots is
     # what gradient accumulation over micro-batches plus an all-reduce SUM over ranks computes
     slots = draw(st.lists(st.integers(0, 5), min_size=rows, max_size=rows))
+    trajs = torch.tensor(draw(st.lists(st.integers(0, 2), min_size=rows, max_size=rows)))  # rows = segments
     mode = draw(st.sampled_from(sorted(LOSSES)))
     level_mode = draw(st.sampled_from([("off", "mask"), ("token", "trunc"), ("token", "mask"), ("token", "clip"),
                                        ("seq", "mask"), ("geo", "mask")]))
-    return mask, lp, old, rollout, adv, slots, mode, level_mode
+    return mask, lp, old, rollout, adv, slots, trajs, mode, level_mode
 
 
+@pytest.mark.parametrize("agg", AGG_MODES)
 @settings(max_examples=60, deadline=None)
-@given(batches())
-def test_global_token_mean_is_split_invariant(batch):
-    mask, lp, old, rollout, adv, slots, mode, (level, is_mode) = batch
-    cfg = rl(mode, entropy_coef=0.01)
+@given(batch=batches())
+def test_loss_is_split_invariant(agg, batch):
+    mask, lp, old, rollout, adv, slots, trajs, mode, (level, is_mode) = batch
+    cfg = rl(mode, entropy_coef=0.01, loss_agg_mode=agg)
     cfg.algo.advantage.is_correction_level, cfg.algo.advantage.is_correction_mode = level, is_mode
     cfg.algo.kl.coef = 0.1
     ref = old - 0.3
+    tokens = torch.zeros(3, dtype=torch.float64).index_add_(0, trajs, mask.sum(1))  # per trajectory
+    seq_weights = mask / tokens[trajs].clamp(min=1)[:, None]
 
     def grad_of(groups):
         leaf = lp.clone().requires_grad_()
@@ -161,9 +210,10 @@ def test_global_token_mean_is_split_invariant(batch):
         total = {}
         for rows in groups:
             loss, metrics = policy_loss(cfg, leaf[rows], old[rows], rollout[rows], adv[rows], mask[rows],
-                                        entropy=-leaf[rows], ref_logprobs=ref[rows], global_num_tokens=n)
+                                        entropy=-leaf[rows], ref_logprobs=ref[rows], global_num_tokens=n,
+                                        seq_weights=seq_weights[rows], global_num_seqs=len(set(trajs.tolist())))
             loss.backward()
-            for k, v in metrics.items():
+            for k, v in {"loss": loss, **metrics}.items():
                 total[k] = total.get(k, 0.0) + v.item()
         return leaf.grad, total
 

@@ -2,11 +2,12 @@
 
 import json
 
+import pytest
 import torch
 
 from instar.config import RLConfig
 from instar.contract import Sample, Trajectory
-from instar.runtime.batching import mini_batches, rollout_metrics, select, to_rows
+from instar.runtime.batching import mini_batches, rollout_metrics, select, seq_weights, to_rows
 from instar.runtime.pool import Group, PoolState
 
 
@@ -75,6 +76,20 @@ def test_mini_batches_deal_whole_trajectories_into_updates():
     assert all(sorted(sum(epochs[e:e + 2], [])) == [0, 1, 2, 3, 4, 5] for e in (0, 2, 4))
     cfg.fsdp.num_ranks = 3  # 4 trajectories cannot feed 2 updates x 3 ranks: one update, every rank fed
     assert len(mini_batches(rows, cfg, step=0)) == 3
+
+
+def test_seq_weights_are_one_over_each_trajectorys_action_tokens():
+    long = Sample([1, 2, 3, 4, 5], [0, 1, 1, 1, 0], [0.0, -0.5, -0.5, -0.5, 0.0], [-1, 3, 3, 3, -1])
+    two = traj(1.0)
+    two.segments = [two.segments[0], long]  # 2 + 3 action tokens over its two segments
+    rows = to_rows([Group(0, 0, 0, [two, traj(0.0)])])
+    assert seq_weights(RLConfig(), rows) is None  # token-mean needs no trajectories
+    cfg = RLConfig()
+    cfg.actor.loss_agg_mode = "seq-mean-token-mean"
+    got = seq_weights(cfg, rows)
+    expected = [[0, 0, 0.2, 0.2], [0, 0.2, 0.2, 0.2, 0], [0, 0, 0.5, 0.5]]
+    assert [w.tolist() for w in got] == [pytest.approx(e) for e in expected]
+    assert sum(w.sum() for w in got).item() == pytest.approx(2.0)  # an update's sum: its trajectories
 
 
 def test_group_round_trips_through_json():

@@ -92,3 +92,25 @@ def test_a_second_resume_does_not_serve_a_finished_epoch_again():
     c.load_state_dict(b.state_dict())
     e, p = c.next()
     assert e == 1 and (e, p.index) not in b.trained  # the last untrained prompt of epoch 1
+
+
+def test_overlong_prompts_are_dropped_at_load_and_the_ledger_keeps_record_indices(tmp_path, tiny_model_dir, capsys):
+    from instar.config import ConfigError
+    from instar.data.chat import load_tokenizer, prompt_ids
+    from instar.data.prompts import drop_overlong
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    records = [{"prompt": "short"}, {"prompt": "long " * 40}, {"prompt": "brief"}, {"prompt": "long " * 80}]
+    prompts = load_prompts(write(tmp_path, records), DataConfig())
+    limit = len(prompt_ids(tokenizer, prompts[1].messages)) + 1  # record 1 leaves one token: kept
+    kept = drop_overlong(prompts, tokenizer, limit)
+    assert [p.index for p in kept] == [0, 1, 2]
+    assert capsys.readouterr().out == f"instar: dropped 1 of 4 prompts: they fill --data.max_len {limit}\n"
+    assert [p.index for p in drop_overlong(prompts, tokenizer, limit - 1)] == [0, 2]
+    with pytest.raises(ConfigError, match="every prompt fills --data.max_len 3; raise it"):
+        drop_overlong(prompts, tokenizer, 3)
+    s = PromptStream(drop_overlong(prompts, tokenizer, limit - 1), seed=0)
+    served = [s.next() for _ in range(2)]
+    for e, p in served:  # keys are record indices, not list positions
+        s.mark_trained(e, p.index)
+    assert sorted(p.index for _, p in served) == [0, 2] and s.state_dict()["trained"] == [(0, 0), (0, 2)]

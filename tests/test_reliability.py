@@ -97,14 +97,14 @@ def rl_flags(tmp_path, tiny_model_dir):
             str(tmp_path / "prompts.jsonl"), "--ckpt.output_dir", str(tmp_path / "run")]
 
 
-NO_AGENT = "--train.agent_path is required: the Python file that defines AgentRunner"
+NO_AGENT = ("give one of --train.agent_path (the Python file that defines AgentRunner) and --train.reward_fns "
+            "(reward functions for single-turn tasks)")
 
 
 @pytest.mark.parametrize("flags,message", [
     ([], NO_AGENT),
     (["--train.agent_path", "{tmp}/missing.py"],
-     "--train.agent_path '{tmp}/missing.py' is not a file; give the path of a Python file that defines AgentRunner, "
-     "or package.module:AttributeName"),
+     "--train.agent_path '{tmp}/missing.py' is not a file; give the path of a Python file, or package.module:Name"),
     (["--train.agent_path", "{tmp}/syntax.py"], "--train.agent_path '{tmp}/syntax.py' does not compile: "
                                                 "invalid syntax (line 1)"),
     (["--train.agent_path", "{tmp}/empty.py"], "{tmp}/empty.py defines no AgentRunner; add `AgentRunner = "

@@ -50,3 +50,30 @@ def test_grades_off_the_main_thread():
     start = time.monotonic()
     assert asyncio.run(grade()) == [True] * 4
     assert time.monotonic() - start < 20
+
+
+def test_grading_workers_end_with_the_process_that_started_them(tmp_path):
+    """An agent runner killed outright (Ray kills actors so) must not leave its grading processes behind: they
+    hold both ends of their task pipe and would wait on it forever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = tmp_path / "grade.py"
+    script.write_text("import threading, time\nfrom instar.agents.rewards import math_equal\n"
+                      "if __name__ == '__main__':\n"
+                      "    t = threading.Thread(target=lambda: print(math_equal('\\\\boxed{2}', '2'), flush=True))\n"
+                      "    t.start(); t.join(); time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "True"
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        assert workers  # the forkserver and at least one grading worker
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=20)
+    assert not alive, [p.cmdline()[:3] for p in alive]

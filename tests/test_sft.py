@@ -2,12 +2,14 @@
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from instar.config import ActorConfig, CkptConfig, FSDPConfig, SFTConfig, SFTSection, TrainConfig
-from instar.data.sft import TemplateError, conversation_sample, load_sft_samples, tokenize_conversation
+from instar.data.chat import load_tokenizer, prompt_ids
+from instar.data.sft import TemplateError, conversation_samples, load_sft_samples, tokenize_conversation
 from instar.train import checkpoint
 from instar.train.sft import run_sft
 
@@ -22,7 +24,8 @@ def tokenizer(tiny_model_dir):
 
 
 def test_assistant_spans_come_from_the_template(tokenizer):
-    ids, mask = tokenize_conversation(tokenizer, CHAT)
+    [(ids, mask, end)] = tokenize_conversation(tokenizer, CHAT)
+    assert end == len(CHAT)
     rendered = tokenizer.apply_chat_template(CHAT, tokenize=False)
     assert ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
     trained = [tokenizer.decode([i]) for i, m in zip(ids, mask) if m]
@@ -31,20 +34,61 @@ def test_assistant_spans_come_from_the_template(tokenizer):
 
 
 def test_truncation_and_conversations_without_assistant_tokens(tokenizer):
-    ids, mask = tokenize_conversation(tokenizer, CHAT)
+    [(ids, mask, _)] = tokenize_conversation(tokenizer, CHAT)
     first = mask.index(1)
-    short = conversation_sample(tokenizer, CHAT, max_len=first + 2)
+    [short] = conversation_samples(tokenizer, CHAT, max_len=first + 2)
     assert short.token_ids == ids[: first + 2] and short.action_mask[-2:] == [1, 1]
     assert short.versions[first] == 0 and short.versions[0] == -1 and short.rollout_logprobs[first] == 0.0
-    assert conversation_sample(tokenizer, CHAT, max_len=first) is None
+    assert conversation_samples(tokenizer, CHAT, max_len=first) == []
 
 
-def test_a_template_that_rewrites_history_is_rejected(tokenizer):
+def test_a_template_that_does_not_write_a_turn_after_its_generation_prompt_is_rejected(tokenizer):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
-    # renders only the last message: a later prefix does not extend an earlier one
+    # renders only the last message: the assistant turn does not follow the context it was written in
     tokenizer.chat_template = "{{ messages[-1].role }}: {{ messages[-1].content }}\n"
-    with pytest.raises(TemplateError, match="does not render message 1 as an extension"):
+    with pytest.raises(TemplateError, match="does not render assistant message 1 after its generation prompt"):
         tokenize_conversation(tokenizer, CHAT[1:3])
+
+
+THINKING = [{"role": "user", "content": "add 2 3"}, {"role": "assistant", "content": "<think>2+3</think>5"},
+            {"role": "user", "content": "and 4 4?"}, {"role": "assistant", "content": "8"},
+            {"role": "user", "content": "and 1 1?"}, {"role": "assistant", "content": "<think>1+1</think>2"}]
+
+
+def _runs(sample):
+    """A sample's (token ids, trainable) runs, in order."""
+    runs = []
+    for t, m in zip(sample.token_ids, sample.action_mask):
+        if runs and runs[-1][1] == m:
+            runs[-1][0].append(t)
+        else:
+            runs.append(([t], m))
+    return runs
+
+
+def test_a_template_that_drops_earlier_reasoning_splits_the_conversation_where_the_prefix_breaks(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir, str(Path(__file__).parent / "chat_templates" / "drop_reasoning.jinja"))
+    # the first turn on its own, then the later turns on the context the template gives them: without its reasoning
+    first, second = conversation_samples(tok, THINKING)
+    assert [(tok.decode(ids), m) for ids, m in _runs(first)] == [
+        ("<|im_start|>user\nadd 2 3<|im_end|>\n<|im_start|>assistant\n", 0), ("<think>2+3</think>5<|im_end|>\n", 1)]
+    assert [(tok.decode(ids), m) for ids, m in _runs(second)] == [
+        ("<|im_start|>user\nadd 2 3<|im_end|>\n<|im_start|>assistant\n5<|im_end|>\n"
+         "<|im_start|>user\nand 4 4?<|im_end|>\n<|im_start|>assistant\n", 0), ("8<|im_end|>\n", 1),
+        ("<|im_start|>user\nand 1 1?<|im_end|>\n<|im_start|>assistant\n", 0), ("<think>1+1</think>2<|im_end|>\n", 1)]
+    # each turn's context is exactly the prompt the template renders when the model writes that turn
+    contexts = []
+    for sample in (first, second):
+        done = []
+        for ids, trainable in _runs(sample):
+            contexts += [done] if trainable else []
+            done = done + ids
+    assert contexts == [prompt_ids(tok, THINKING[:i]) for i in (1, 3, 5)]
+    # without reasoning each prefix extends the one before: one sample, as under the kit's template
+    plain = [{**m, "content": m["content"].split("</think>")[-1]} for m in THINKING]
+    [whole] = conversation_samples(tok, plain)
+    [expected] = conversation_samples(load_tokenizer(tiny_model_dir), plain)
+    assert (whole.token_ids, whole.action_mask) == (expected.token_ids, expected.action_mask)
 
 
 def test_load_names_the_missing_key(tmp_path, tokenizer):

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
+
 from instar.config import ConfigError
 from instar.contract import Result, SamplingParams
 from instar.data.chat import Message
@@ -44,6 +46,7 @@ class Task:
     tools: list[dict] | None = None
     images: list[Any] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)  # the prompt record's other columns
+    chat: bool = True  # the record's prompt was chat messages, not a string
     prompt_index: int = -1
     group_id: int = 0
     rollout_id: str = ""
@@ -135,7 +138,7 @@ class StepEnvRunner:
                 text = text_of(messages[-1]["content"]) if observation is None else observation
                 messages = [*messages[:-1], {**messages[-1], "content": with_images(text, images, "reset")}]
                 state.update(observation_text=text, messages=messages)
-            reward, score, infos = 0.0, None, []
+            rewards, score, infos = [], None, []
             while True:
                 turn = await transcript.sample(messages, tools, state["sampling_params"])
                 if not turn.token_ids:
@@ -143,7 +146,7 @@ class StepEnvRunner:
                 # A copy: an env that edits state["messages"] must not rewrite the transcript's history.
                 state.update(action_text=turn.text, messages=copy.deepcopy(transcript.messages), turn=len(infos))
                 result = await env.step(state)
-                reward, infos = reward + result.reward, [*infos, result.info]
+                rewards, infos = [*rewards, result.reward], [*infos, result.info]
                 score = result.score if result.score is not None else score
                 if result.terminated or result.truncated or transcript.truncated:
                     break
@@ -152,7 +155,7 @@ class StepEnvRunner:
                 messages = [*transcript.messages, {"role": role, "content": content}]
                 state.update(observation_text=result.observation,
                              sampling_params=result.sampling_params or state["sampling_params"])
-            return Result(reward=reward, score=score, info={"turns": infos})
+            return Result(reward=sum(rewards), score=score, info={"turns": infos}, turn_rewards=rewards)
         finally:
             await env.close()
 
@@ -215,33 +218,39 @@ class AgentLoadError(ConfigError):
     """--train.agent_path does not name a usable agent module; the message says what to fix."""
 
 
-def _import_file(path: str) -> Any:
+def import_file(path: str, flag: str) -> Any:
+    """The Python file at ``path`` as a module (``flag`` names the option that gave it, for errors)."""
     file = Path(path)
     if not file.is_file():
-        raise AgentLoadError(f"--train.agent_path {path!r} is not a file; give the path of a Python file that "
-                             f"defines AgentRunner, or package.module:AttributeName")
+        raise AgentLoadError(f"{flag} {path!r} is not a file; give the path of a Python file, or "
+                             f"package.module:Name")
     name = f"instar_agent_{file.stem}"
     spec = importlib.util.spec_from_file_location(name, file)
     if spec is None or spec.loader is None:
-        raise AgentLoadError(f"--train.agent_path {path!r} cannot be imported as a Python module (use a .py file)")
+        raise AgentLoadError(f"{flag} {path!r} cannot be imported as a Python module (use a .py file)")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look their module up here
     spec.loader.exec_module(module)
+    cloudpickle.register_pickle_by_value(module)  # other processes cannot import it by name
     return module
 
 
+def import_named(spec: str, flag: str, default: str = "") -> tuple[Any, str]:
+    """The module ``spec`` names and the attribute to take from it: ``path/to/file.py`` (attribute ``default``),
+    ``path/to/file.py:Name``, or ``package.module:Name`` (an installed package, or one on PYTHONPATH)."""
+    where, _, attr = spec.rpartition(":") if ":" in spec else (spec, "", default)
+    if where.endswith(".py") or Path(where).is_file() or not attr:
+        return import_file(where, flag), attr
+    try:
+        return importlib.import_module(where), attr
+    except ModuleNotFoundError as e:
+        raise AgentLoadError(f"{flag} {spec!r}: cannot import {where!r} ({e}); install its package or put its "
+                             "directory on PYTHONPATH") from None
+
+
 def load_agent(path: str) -> StepEnvRunner | ChatAgentRunner:
-    """The runner ``path`` names: a Python file's ``AgentRunner``, or ``package.module:Name``, attribute
-    ``Name`` of an importable module (an installed package, or one on PYTHONPATH)."""
-    module_name, _, attr = path.partition(":")
-    if attr and not Path(path).is_file():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            raise AgentLoadError(f"--train.agent_path {path!r}: cannot import {module_name!r} ({e}); install its "
-                                 "package or put its directory on PYTHONPATH") from None
-    else:
-        module, attr = _import_file(path), "AgentRunner"
+    """The runner ``path`` names (see `import_named`; a file's runner is its ``AgentRunner``)."""
+    module, attr = import_named(path, "--train.agent_path", "AgentRunner")
     runner = getattr(module, attr, None)
     if runner is None:
         raise AgentLoadError(f"{path} defines no {attr}; add `{attr} = StepEnvRunner(YourEnv)` or "

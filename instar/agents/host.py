@@ -14,8 +14,9 @@ from collections import Counter
 from typing import Any
 
 from instar.agents.api import ChatAgentRunner, StepEnvRunner, Task
+from instar.agents.reward_fns import RewardFnRunner
 from instar.agents.server import ChatServer
-from instar.contract import ContractError, Trajectory
+from instar.contract import ContractError, Result, Trajectory
 from instar.data.chat import prompt_messages
 from instar.data.images import Vision, with_markers
 from instar.engines.protocol import Sampler
@@ -29,15 +30,18 @@ class AgentHost:
     ``engine`` is anything with the engine protocol's ``generate`` (an engine or the router);
     ``max_len`` / ``max_new_tokens`` are --data.max_len / --data.max_new_tokens."""
 
-    def __init__(self, runner: StepEnvRunner | ChatAgentRunner, engine: Sampler, tokenizer: Any, *, max_len: int,
-                 max_new_tokens: int, agent_timeout: float, system_prompt: str | None = None,
-                 model_name: str = "policy", tool_parser: str = "hermes", vision: Vision | None = None) -> None:
+    def __init__(self, runner: StepEnvRunner | ChatAgentRunner | RewardFnRunner, engine: Sampler, tokenizer: Any, *,
+                 max_len: int, max_new_tokens: int, agent_timeout: float, system_prompt: str | None = None,
+                 model_name: str = "policy", tool_parser: str = "hermes", vision: Vision | None = None,
+                 error_reward: float | None = None) -> None:
+        """``error_reward``: keep a rollout whose agent code raised, with this reward (None: drop it)."""
         self.runner, self.agent_timeout, self.system_prompt = runner, agent_timeout, system_prompt
+        self.error_reward = error_reward
         self.max_len = max_len
         self.server = ChatServer(engine, tokenizer, model_name=model_name, max_len=max_len,
                                  max_new_tokens=max_new_tokens, tool_parser=tool_parser, vision=vision)
-        self.dropped: Counter[str] = Counter()
-        self.finished = self.cancelled = 0
+        self.counts: Counter[str] = Counter()  # cancelled, dropped_<reason>, kept_error_<Type>
+        self.finished = 0
         self._running: set[asyncio.Task] = set()
         self._closing = False
 
@@ -68,13 +72,16 @@ class AgentHost:
         except asyncio.CancelledError:
             if not self._closing:
                 raise
-            self.cancelled += 1  # the run is ending: not the agent's fault, and nobody waits for it
+            self.counts["cancelled"] += 1  # the run is ending: not the agent's fault, and nobody waits for it
             return None
         except TimeoutError:
             return self._drop("timeout", task, f"exceeded --train.agent_timeout={self.agent_timeout}s")
-        except Exception as e:  # user code: log it, drop the rollout, keep the run going
-            log.warning("rollout %r dropped: %s raised", task.rollout_id, type(e).__name__, exc_info=True)
-            return self._drop(f"error_{type(e).__name__}", task, str(e))
+        except Exception as e:  # user code: log it, drop the rollout (or keep what it sampled), keep the run going
+            log.warning("rollout %r: %s raised", task.rollout_id, type(e).__name__, exc_info=True)
+            if self.error_reward is None:
+                return self._drop(f"error_{type(e).__name__}", task, str(e))
+            self.counts[f"kept_error_{type(e).__name__}"] += 1
+            result = Result(reward=self.error_reward, info={"error": f"{type(e).__name__}: {e}"})
         finally:
             self._running.discard(me)
             self.server.close(session)
@@ -86,7 +93,8 @@ class AgentHost:
         finish = "length" if transcript.truncated else "abort" if transcript.last_finish_reason == "abort" else "stop"
         traj = Trajectory(transcript.segments, reward=result.reward, score=result.score, info=result.info,
                           group_id=task.group_id, rollout_id=task.rollout_id, prompt_index=task.prompt_index,
-                          finish_reason=finish, metadata=task.metadata)
+                          finish_reason=finish, metadata=task.metadata, turns=transcript.turns,
+                          tool_calls=transcript.tool_calls, turn_rewards=result.turn_rewards)
         try:
             traj.validate()
         except ContractError as e:
@@ -94,13 +102,25 @@ class AgentHost:
         self.finished += 1
         return traj
 
+    async def run_group(self, tasks: list[Task]) -> list[Trajectory]:
+        """One prompt group's rollouts, concurrently; dropped ones are counted in `metrics`, not returned.
+        A runner that scores whole groups (`RewardFnRunner`) scores them here, within --train.agent_timeout."""
+        out = await asyncio.gather(*(self.rollout(task) for task in tasks))
+        if isinstance(self.runner, RewardFnRunner):
+            try:
+                await asyncio.wait_for(self.runner.score(tasks, out), self.agent_timeout)
+            except TimeoutError:
+                for task in tasks:
+                    self._drop("reward_timeout", task, f"scoring exceeded --train.agent_timeout={self.agent_timeout}s")
+                return []
+        return [t for t in out if t is not None]
+
     def _drop(self, reason: str, task: Task, detail: str) -> None:
         log.warning("rollout %r (prompt %d) dropped, %s: %s", task.rollout_id, task.prompt_index, reason, detail)
-        self.dropped[reason] += 1
+        self.counts[f"dropped_{reason}"] += 1
 
     def metrics(self) -> dict[str, float]:
         """Counts since start: finished rollouts, those cancelled at shutdown and dropped ones by reason
         (timeout, error_<Type>, prompt_too_long, invalid)."""
-        cancelled = {"agent/cancelled": float(self.cancelled)} if self.cancelled else {}
-        return {"agent/finished": float(self.finished), **cancelled,
-                **{f"agent/dropped_{reason}": float(n) for reason, n in sorted(self.dropped.items())}}
+        counts = {f"agent/{key}": float(n) for key, n in sorted(self.counts.items())}
+        return {"agent/finished": float(self.finished), **counts}

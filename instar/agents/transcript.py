@@ -131,7 +131,7 @@ class Transcript:
         self._tools: list[dict] | None = None
         self._open: _Segment | None = None
         self._ended = True  # the last turn ended with its end-of-turn token
-        self._turns = 0
+        self.turns = self.tool_calls = 0
         self._cache: tuple[str, Turn] | None = None
 
     @property
@@ -223,9 +223,9 @@ class Transcript:
         self._ended = bool(ids) and ids[-1] in self.stop_token_ids
         text = self.tokenizer.decode(ids[:-1] if self._ended else ids, skip_special_tokens=False)
         content, calls = self.tool_parser.split(text)
-        calls = [{"id": f"call_{self._turns}_{i}", "type": "function", "function": c} for i, c in enumerate(calls)]
+        calls = [{"id": f"call_{self.turns}_{i}", "type": "function", "function": c} for i, c in enumerate(calls)]
         message: Message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
-        self._turns += 1
+        self.turns, self.tool_calls = self.turns + 1, self.tool_calls + len(calls)
         self.messages, self._tools = [*messages, message], tools
         self.last_finish_reason = gen.finish_reason
         self.truncated = self.truncated or gen.finish_reason == "length"

@@ -17,10 +17,9 @@ from instar.algo.filters import dynamic_filter
 from instar.algo.is_correction import check_is_correction, is_weights
 from instar.algo.kl import KL_ESTIMATORS, KLController, kl_penalty
 from instar.algo.losses import LOSSES, policy_loss, value_loss
-from instar.algo.ops import masked_mean, masked_sum, masked_whiten
 
 __all__ = [
     "ESTIMATORS", "AdvantageInputs", "Estimator", "Needs", "compute_advantages", "registered", "dynamic_filter",
     "check_is_correction", "is_weights", "KL_ESTIMATORS", "KLController", "kl_penalty", "LOSSES", "policy_loss",
-    "value_loss", "masked_mean", "masked_sum", "masked_whiten",
+    "value_loss",
 ]

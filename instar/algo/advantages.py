@@ -92,6 +92,7 @@ def compute_advantages(cfg: AlgoConfig, x: AdvantageInputs) -> tuple[Tensor, Ten
     if not torch.isfinite(adv).all():
         raise ValueError(f"estimator {name} produced non-finite advantages; check rewards and logprobs for inf/NaN")
     returns = torch.where(mask, adv + x.values, 0) if est.needs.critic else None  # lambda-return = A + V
+    adv = masked_whiten(adv, mask) if cfg.advantage.whiten else adv
     metrics = {"advantage_mean": masked_mean(adv, mask).item(),
                "advantage_abs_mean": masked_mean(adv.abs(), mask).item(),
                "reward_mean": _trajectories(x)[1].float().mean().item()}
@@ -102,12 +103,11 @@ def _validate(cfg: AlgoConfig, needs: Needs, x: AdvantageInputs) -> None:
     name, mask = cfg.advantage.estimator, x.action_mask
     if mask.dim() != 2:
         raise ValueError(f"action_mask must be [B, T], got shape {tuple(mask.shape)}")
-    for field in ("rewards", "group_index", "traj_index"):
-        t = getattr(x, field)
+    for field, t in (("rewards", x.rewards), ("group_index", x.group_index), ("traj_index", x.traj_index)):
         if t is not None and tuple(t.shape) != (mask.shape[0],):
             raise ValueError(f"AdvantageInputs.{field} must be [B={mask.shape[0]}], got shape {tuple(t.shape)}")
-    for field in ("old_logprobs", "ref_logprobs", "values", "token_rewards"):
-        t = getattr(x, field)
+    for field, t in (("old_logprobs", x.old_logprobs), ("ref_logprobs", x.ref_logprobs), ("values", x.values),
+                     ("token_rewards", x.token_rewards)):
         if t is not None and t.shape != mask.shape:
             raise ValueError(f"AdvantageInputs.{field} must be shaped like action_mask {tuple(mask.shape)}, "
                              f"got {tuple(t.shape)}")
@@ -179,7 +179,8 @@ def grpo(x: AdvantageInputs, cfg: AlgoConfig) -> Tensor:
 
 
 def dr_grpo(x: AdvantageInputs, cfg: AlgoConfig) -> Tensor:
-    """r - group mean, without the std division (Dr. GRPO; the global token-mean removes the length bias)."""
+    """r - group mean, without the std division (Dr. GRPO). Its paper pairs it with a constant loss denominator:
+    --actor.loss_agg_mode seq-mean-token-sum-norm (the default token-mean is not Dr. GRPO's)."""
     reward, mean, _, _ = _group_view(x)
     return _per_token(reward - mean, x)
 

@@ -1,16 +1,24 @@
-"""Policy and value losses with the global token-mean, one call per trainer micro-batch.
+"""Policy and value losses over one optimizer update, one call per trainer micro-batch.
 
-Global token-mean. The step's loss is (sum over every action token of the optimizer step of its
-token loss) / N, with N = `global_num_tokens`, the number of action tokens (action_mask == 1) in all
-micro-batches of all data-parallel ranks of the step. Each call returns its micro-batch's *share*
-(its own sum / N), so summing the shares of every micro-batch and rank gives the global mean exactly
-and the update does not depend on how the batch is split. The trainer therefore backpropagates each
-share as is and must *sum* gradients across ranks (FSDP2 averages by default: multiply the share by
-the world size, or set the gradient divide factor to 1). Tokens dropped by IS correction still count
-in N; they add 0 to the sum.
+Aggregation (`--actor.loss_agg_mode`). An update's loss is sum_t w_t l_t over every action token t of the
+update (all micro-batches of all data-parallel ranks; one update is one mini-batch). With N its action tokens,
+S its trajectories (a trajectory may span several rows, in several micro-batches and ranks), T_t the action
+tokens of t's trajectory and M = --data.max_new_tokens:
+  token-mean               w = 1 / N            (the default)
+  seq-mean-token-mean      w = 1 / (S T_t)      the mean over trajectories of each one's token mean
+  seq-mean-token-sum       w = 1 / S            the mean over trajectories of each one's token sum
+  seq-mean-token-sum-norm  w = 1 / (S M)        Dr. GRPO's constant denominator
+N and S are the trainer's per update (`global_num_tokens`, `global_num_seqs`); 1 / T_t comes per token from
+the driver (`seq_weights`, which sum to 1 over a trajectory). Each call returns its micro-batch's *share*
+of the sum, so summing the shares of every micro-batch and rank gives the update's loss exactly and the
+update does not depend on how the batch is split. The trainer therefore backpropagates each share as is
+and must *sum* gradients across ranks (FSDP2 averages by default: multiply the share by the world size,
+or set the gradient divide factor to 1). Tokens dropped by IS correction, and rows run forward only,
+still count in N, S and T; they add 0 to the sum. The entropy and KL terms are aggregated alike.
 
-Metrics are shares too (0-d tensors): sum each over micro-batches and ranks to get the step's value.
-  policy_loss        the surrogate part of the loss
+Metrics are token-mean shares (0-d tensors) whatever the aggregation: sum each over micro-batches and
+ranks to get the update's mean over its action tokens.
+  policy_loss        the surrogate part of the loss, as a token mean
   policy_clip_ratio  fraction of action tokens whose ratio was clipped (on kept tokens)
   policy_kl          mean of old_logprob - logprob (k1 estimate of KL(old || new))
   vllm_kl            mean of rollout_logprob - old_logprob (engine vs trainer, invariant 3)
@@ -89,13 +97,15 @@ def cispo(logprobs: Tensor, old_logprobs: Tensor, adv: Tensor, keep: Tensor, act
 def policy_loss(cfg: RLConfig, logprobs: Tensor, old_logprobs: Tensor, rollout_logprobs: Tensor, advantages: Tensor,
                 action_mask: Tensor, *, entropy: Tensor | None = None, ref_logprobs: Tensor | None = None,
                 kl_coef: float | None = None, global_num_tokens: int | Tensor | None = None,
+                seq_weights: Tensor | None = None, global_num_seqs: int | None = None,
                 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """This micro-batch's share of the step's policy loss, and its metric shares (see the module doc).
+    """This micro-batch's share of the update's policy loss, and its metric shares (see the module doc).
 
     All tensors are [B, T] and aligned; only `logprobs` and `entropy` carry gradient. `old_logprobs` are
     the trainer's logprobs before the update, `rollout_logprobs` the engine's. `kl_coef` defaults to
     --algo.kl.coef (pass KLController.value when adaptive); `global_num_tokens` defaults to this
-    micro-batch's own action-token count (the micro-batch is the whole step)."""
+    micro-batch's own action-token count (the micro-batch is the whole update). The seq-mean modes need
+    `seq_weights` (1 / the action tokens of each token's trajectory) and `global_num_seqs` (S)."""
     actor, kl = cfg.actor, cfg.algo.kl
     if actor.loss_mode not in LOSSES:
         raise ValueError(f"unknown --actor.loss_mode {actor.loss_mode!r}; choose one of {sorted(LOSSES)}")
@@ -110,29 +120,42 @@ def policy_loss(cfg: RLConfig, logprobs: Tensor, old_logprobs: Tensor, rollout_l
     def share(t: Tensor) -> Tensor:
         return clean(t if t.is_floating_point() else t.to(logprobs.dtype)).sum() / n
 
+    aggregate = _aggregation(cfg, n, seq_weights, global_num_seqs)
     lp = clean(logprobs)
     old, rollout, adv = (clean(t.detach()) for t in (old_logprobs, rollout_logprobs, advantages))
     weight, keep = is_weights(cfg.algo.advantage, old, rollout, mask)
     token_loss, clipped = LOSSES[actor.loss_mode](lp, old, adv, keep, actor)
-    loss = torch.where(keep, token_loss * weight, 0).sum() / n
-    metrics = {"policy_loss": loss.detach(), "policy_clip_ratio": share(clipped & keep),
+    surrogate = torch.where(keep, token_loss * weight, 0)
+    loss = aggregate(surrogate)
+    metrics = {"policy_loss": share(surrogate).detach(), "policy_clip_ratio": share(clipped & keep),
                "policy_kl": share(old - lp.detach()), "vllm_kl": share(rollout - old), "is_filter_ratio": share(~keep)}
     if actor.entropy_coef != 0 and entropy is None:
         raise ValueError(f"--actor.entropy_coef {actor.entropy_coef} needs the per-token entropy; pass entropy=")
     if entropy is not None:
-        ent = share(entropy)
+        metrics["entropy"] = share(entropy).detach()
         if actor.entropy_coef != 0:  # else no term: a zero one would still cost a backward through the softmax
-            loss = loss - actor.entropy_coef * ent
-        metrics["entropy"] = ent.detach()
+            loss = loss - actor.entropy_coef * aggregate(clean(entropy))
     coef = kl.coef if kl_coef is None else kl_coef
     if kl.use_in == "loss" and coef > 0 and ref_logprobs is None:
         raise ValueError("--algo.kl.use_in loss with --algo.kl.coef > 0 needs ref_logprobs (the reference model)")
     if ref_logprobs is not None:  # measured whatever --algo.kl.use_in: the adaptive controller reads it
-        ref_kl = share(kl_penalty(lp, clean(ref_logprobs.detach()), kl.estimator))
-        metrics["ref_kl"] = ref_kl.detach()
+        ref_kl = clean(kl_penalty(lp, clean(ref_logprobs.detach()), kl.estimator))
+        metrics["ref_kl"] = share(ref_kl).detach()
         if kl.use_in == "loss" and coef > 0:
-            loss = loss + coef * ref_kl
+            loss = loss + coef * aggregate(ref_kl)
     return loss, metrics
+
+
+def _aggregation(cfg: RLConfig, n: int | Tensor, seq_weights: Tensor | None, num_seqs: int | None) -> Callable:
+    """x -> sum_t w_t x_t with the weights of --actor.loss_agg_mode (module doc); x is 0 off the action tokens."""
+    if cfg.actor.loss_agg_mode == "token-mean":
+        return lambda x: x.sum() / n
+    if seq_weights is None or not num_seqs:
+        raise ValueError("a seq-mean --actor.loss_agg_mode needs seq_weights and global_num_seqs (the trajectories)")
+    if cfg.actor.loss_agg_mode == "seq-mean-token-mean":
+        return lambda x: (x * seq_weights).sum() / num_seqs
+    norm = cfg.data.max_new_tokens if cfg.actor.loss_agg_mode == "seq-mean-token-sum-norm" else 1  # or token-sum
+    return lambda x: x.sum() / (num_seqs * norm)
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, action_mask: Tensor, *, clip: float,

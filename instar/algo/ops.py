@@ -31,14 +31,9 @@ def register(table: dict[str, Callable], name: str) -> Callable[[F], F]:
     return add
 
 
-def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    kept = torch.where(mask.bool(), x, 0)
-    return kept.sum() if dim is None else kept.sum(dim)
-
-
-def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    count = mask.bool().sum() if dim is None else mask.bool().sum(dim)
-    return masked_sum(x, mask, dim) / count.clamp(min=1)
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    mask = mask.bool()
+    return torch.where(mask, x, 0).sum() / mask.sum().clamp(min=1)
 
 
 def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:

@@ -21,6 +21,7 @@ from jsonargparse import ArgumentParser, set_parsing_settings
 
 from instar.checks import check
 from instar.config import ALIASES, VALUE_ALIASES, ConfigError, RLConfig, SFTConfig
+from instar.data.chat import read_template
 from instar.data.records import HUB_NAME, source_kind
 from instar.data.tiny_model import TinySpec, build_tiny_model
 from instar.version import __version__
@@ -79,10 +80,11 @@ def _run_report(args: ReportArgs) -> None:
     print(f"eval accuracy: before={summary['eval accuracy before']} after={summary['eval accuracy after']}")
 
 
-def _check_inputs(cfg: RLConfig, prompts_given: bool = False) -> None:
-    """Missing files, or an agent module that does not load, fail here in seconds rather than inside
-    a Ray actor minutes later."""
+def _check_inputs(cfg: RLConfig, prompts_given: bool = False, reward_fns: Sequence[Callable] = ()) -> None:
+    """Missing files, or an agent module (reward functions) that does not load, fail here in seconds rather
+    than inside a Ray actor minutes later."""
     from instar.agents.api import load_agent
+    from instar.agents.reward_fns import load_reward_fns
 
     if not cfg.actor.model_name_or_path:
         raise ConfigError("--actor.model_name_or_path is required: an HF checkpoint directory or hub model name")
@@ -100,33 +102,40 @@ def _check_inputs(cfg: RLConfig, prompts_given: bool = False) -> None:
             source_kind(source, flag)
     if cfg.train.rollout_replay_dir:  # trains from a dump: no agent runs
         return
-    if not cfg.train.agent_path:
-        raise ConfigError("--train.agent_path is required: the Python file that defines AgentRunner")
+    fns = [*cfg.train.reward_fns, *reward_fns]
+    if bool(cfg.train.agent_path) == bool(fns):
+        raise ConfigError("give one of --train.agent_path (the Python file that defines AgentRunner) and "
+                          "--train.reward_fns (reward functions for single-turn tasks)")
     try:
-        load_agent(cfg.train.agent_path)
+        load_agent(cfg.train.agent_path) if cfg.train.agent_path else load_reward_fns(fns, cfg.train.reward_weights)
     except SyntaxError as e:
-        raise ConfigError(f"--train.agent_path {cfg.train.agent_path!r} does not compile: {e.msg} "
-                          f"(line {e.lineno})") from None
+        flag = "--train.agent_path" if cfg.train.agent_path else "--train.reward_fns"
+        raise ConfigError(f"{flag} {e.filename!r} does not compile: {e.msg} (line {e.lineno})") from None
 
 
-def rl(config: RLConfig | Sequence[str], dataset: typing.Any = None) -> dict[str, float]:
+def rl(config: RLConfig | Sequence[str], dataset: typing.Any = None,
+       reward_fns: Sequence[Callable[..., typing.Any]] = ()) -> dict[str, float]:
     """`instar rl` from Python (a script or a notebook): an ``RLConfig``, or the command's flags as a list.
     ``dataset``: the prompt records as a `datasets.Dataset` (or a `DatasetDict`, read at --data.split) instead of
-    --data.prompt_dataset. Returns the last step's metrics."""
+    --data.prompt_dataset; ``reward_fns``: reward functions (see --train.reward_fns) as callables. Returns the
+    last step's metrics."""
     cfg = _config("rl", config)
-    _check_inputs(cfg, prompts_given=dataset is not None)  # first: the agent module may register an estimator
+    # first: the agent module may register an estimator
+    _check_inputs(cfg, prompts_given=dataset is not None, reward_fns=reward_fns)
     check(cfg)
     _announce(cfg)
     from instar.loop import run  # the loop pulls in Ray and torch.distributed; only load it to run
 
-    return _outside_event_loop(partial(run, dataset=dataset), cfg)
+    return _outside_event_loop(partial(run, dataset=dataset, reward_fns=reward_fns), cfg)
 
 
 def evaluate(config: RLConfig | Sequence[str]) -> dict[str, float]:
     """`instar eval` from Python: accuracy, pass@k and greedy accuracy of a checkpoint over --eval.dataset."""
     from instar.loop import evaluate as run_eval
 
-    return _outside_event_loop(run_eval, _config("eval", config))
+    cfg = _config("eval", config)
+    read_template(cfg.data.chat_template, cfg.data.chat_template_kwargs, "data")  # here, not in each agent runner
+    return _outside_event_loop(run_eval, cfg)
 
 
 def sft(config: SFTConfig | Sequence[str]) -> dict[str, float]:
@@ -238,6 +247,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"instar {name}: {e}")
 
 
+COMMA_LISTS = {"train.reward_fns", "train.reward_weights"}
+
+
 def _normalise(argv: list[str]) -> list[str]:
     """Accept `--kv-heads` for `--kv_heads`, a bare boolean flag (`--moe`) for `--moe true`, and Molt's and
     earlier spellings (`config.ALIASES`, `config.VALUE_ALIASES`) in flags and in the keys of a `--config` recipe."""
@@ -247,15 +259,15 @@ def _normalise(argv: list[str]) -> list[str]:
         if i and argv[i - 1] == "--config" and os.path.isfile(arg):
             out.append(_recipe(arg))
             continue
+        if i and argv[i - 1][2:].replace("-", "_") in COMMA_LISTS and not arg.startswith("["):
+            arg = f"[{arg}]"  # `--train.reward_fns a.py:f,b.py:g`: a comma-separated list, as well as a JSON one
         if arg.startswith("--"):
             name, eq, value = arg[2:].partition("=")
             name = _alias(name.replace("-", "_"))
             if name in VALUE_ALIASES and eq:
                 name, value = _value_alias(name, value)
-                value = str(value).lower()
             elif name in VALUE_ALIASES and i + 1 < len(argv):
-                name, mapped = _value_alias(name, argv[i + 1])
-                argv[i + 1] = str(mapped).lower()
+                name, argv[i + 1] = _value_alias(name, argv[i + 1])
             arg = "--" + name + eq + value
             bare = not eq and (i + 1 == len(argv) or argv[i + 1].startswith("--"))
             if bare and name.split(".")[-1] in flags:
@@ -272,12 +284,13 @@ def _alias(name: str) -> str:
     return name
 
 
-def _value_alias(name: str, value: str) -> tuple[str, object]:
-    """An earlier flag and its value as the flag that replaces it and that flag's value (`config.VALUE_ALIASES`)."""
+def _value_alias(name: str, value: str) -> tuple[str, str]:
+    """An earlier flag and its value as the flag that replaces it and that flag's value, as the text of a flag
+    (`config.VALUE_ALIASES`); a recipe holds that text too, which the parser reads as it reads a flag's."""
     new, values = VALUE_ALIASES[name]
     if value not in values:
         raise SystemExit(f"instar: --{name} takes one of {sorted(values)} (it is --{new} now), got {value!r}")
-    return new, values[value]
+    return new, str(values[value]).lower()
 
 
 def _recipe(path: str) -> str:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from instar.contract import ImageInputs, Sample, Trajectory, read_jsonl
+from instar.data.chat import load_tokenizer
 from instar.data.images import Vision, data_url
 
 STYLE = """body{font-family:sans-serif;margin:1.5em}section{border:1px solid #ccc;border-radius:6px;padding:.6em;
@@ -110,10 +111,8 @@ def render(items: list[tuple[str, Trajectory]], decode: Callable[[list[int]], st
 
 def write_view(path: str | Path, tokenizer_path: str, out: str | Path | None = None, limit: int = 64) -> Path:
     """Render the first ``limit`` trajectories of a dump to ``out`` (default: ``view.html`` beside it)."""
-    from transformers import AutoTokenizer
-
     items = load_dump(path)[:limit]
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path)
     path = Path(path)
     target = Path(out) if out else (path if path.is_dir() else path.parent) / "view.html"
     vision = Vision.from_pretrained(tokenizer_path)

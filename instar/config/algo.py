@@ -17,6 +17,12 @@ class AdvantageConfig:
     """Discount factor (reinforce, gae)."""
     lam: float = 0.95
     """GAE lambda."""
+    turn_gamma: float = 1.0
+    """Discount per turn of an agent's per-turn rewards (reinforce, gae): turn k's tokens are credited with
+    sum over later turns j of turn_gamma^(j-k) r_j (the grouped estimators use the summed reward)."""
+    whiten: bool = False
+    """Whiten the advantages over all action tokens of the step (mean 0, std 1), as PPO implementations do with gae;
+    the critic's returns use them before. reinforce and reinforce_baseline always whiten."""
     is_correction_level: Literal["off", "token", "seq", "geo"] = "geo"
     """Importance-sampling correction of rollout vs trainer logprobs: per token, or a sequence gate (seq: the
     product of the token ratios; geo: their geometric mean). Default geo with mode mask, as in Molt."""

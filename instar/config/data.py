@@ -35,8 +35,11 @@ class DataConfig:
     tool_parser: Literal["hermes", "llama3_json", "mistral"] = "hermes"
     """Format of the tool calls the model writes (vLLM's --tool-call-parser names): Hermes/Qwen ``<tool_call>``
     JSON, Llama 3 JSON (``<|python_tag|>``), Mistral ``[TOOL_CALLS]``. The chat template writes them back."""
-    apply_chat_template: bool = True
-    """Render string prompts as a user message with the tokenizer's chat template."""
+    chat_template: str | None = None
+    """A Jinja chat template file to render every conversation with (RL, eval, the chat server) in place of the
+    tokenizer's own."""
+    chat_template_kwargs: dict | None = None
+    """Variables the chat template reads (apply_chat_template keywords), as JSON: '{"enable_thinking": false}'."""
     system_prompt: str | None = None
     """System message prepended to every prompt."""
     max_len: int = 2048
@@ -63,10 +66,15 @@ class SFTSection:
     """Files of a directory or hub dataset to read (names or globs, relative to it)."""
     messages_key: str = "messages"
     """Key of the message list in each record (dotted for a nested field)."""
+    chat_template: str | None = None
+    """A Jinja chat template file used in place of the tokenizer's own (see --data.chat_template)."""
+    chat_template_kwargs: dict | None = None
+    """Variables the chat template reads (apply_chat_template keywords), as JSON: '{"enable_thinking": false}'."""
     epochs: int = 1
     """Passes over the dataset."""
     batch_size: int = 16
-    """Conversations per optimizer step."""
+    """Samples per optimizer step: a conversation is one sample, or more where the chat template rewrites earlier
+    turns (see docs/data.md, Chat templates)."""
     max_len: int = 1024
     """Longest conversation in tokens; longer ones are truncated."""
     eval_fraction: float = 0.0

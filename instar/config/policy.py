@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
 
 @dataclass
 class ActorConfig:
@@ -14,6 +16,10 @@ class ActorConfig:
     """HF checkpoint directory of the policy (e.g. one built by `instar tiny-model`)."""
     loss_mode: Literal["ppo", "gspo", "cispo"] = "ppo"
     """Policy loss: ppo (clipped token ratio), gspo (sequence-level ratio), cispo (clipped IS weight)."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """How an update's loss sums its token losses (S: its trajectories): token-mean (/ tokens), seq-mean-token-mean
+    (mean over trajectories of their token means), seq-mean-token-sum (/ S), seq-mean-token-sum-norm (/ S x
+    --data.max_new_tokens, as Dr. GRPO). Entropy and KL terms alike; the critic's loss stays a token mean."""
     eps_clip_low_high: tuple[float, float] = (0.2, 0.28)
     """Clip band of the policy ratio: [1 - low, 1 + high] (asymmetric, DAPO style)."""
     dual_clip: float | None = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
@@ -48,6 +48,16 @@ class TrainConfig:
 
     agent_path: str = ""
     """The agent: a Python file exporting `AgentRunner` (an Env or ChatAgent runner), or `package.module:Name`."""
+    reward_fns: list[str] = field(default_factory=list)
+    """Instead of an agent: single-turn rollouts scored by reward functions in TRL's convention, each
+    `path/to/file.py:fn` or `package.module:fn`; the reward is their weighted sum."""
+    reward_weights: list[float] | None = None
+    """One weight per --train.reward_fns entry (default: all 1)."""
+    on_agent_error: Literal["drop", "keep"] = "drop"
+    """A rollout whose agent code raised after sampling: drop it, or keep what it sampled with
+    --train.agent_error_reward (a framework that raises on a turn cut by the token limit). Counted either way."""
+    agent_error_reward: float = 0.0
+    """The reward of a rollout kept by --train.on_agent_error keep."""
     max_steps: int = 100
     """Stop after this many optimizer steps."""
     async_queue_size: int = 1

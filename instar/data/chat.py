@@ -8,9 +8,55 @@ is rendered and tokenized, once, and appended to the exact ids so far.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateSyntaxError
+
+from instar.config import ConfigError
+
 Message = dict[str, Any]
+
+
+def read_template(path: str | None, kwargs: dict | None, section: str) -> str | None:
+    """The text of the ``--{section}.chat_template`` file (None without one), read where the run starts: a
+    missing file, one that does not parse, or a ``--{section}.chat_template_kwargs`` key that is no Jinja
+    name fails here, in one line, before any process loads a tokenizer."""
+    if not (path or kwargs):
+        return None
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # the environment HF renders in
+
+    try:
+        text = Path(path).read_text() if path else None
+    except OSError as e:
+        raise ConfigError(f"--{section}.chat_template {path!r} cannot be read ({e.strerror}); give a Jinja "
+                          "chat template file") from None
+    for flag, given, source in (("chat_template_kwargs", kwargs, _fixed(kwargs)), ("chat_template", path, text)):
+        try:
+            _compile_jinja_template(source or "")
+        except TemplateSyntaxError as e:
+            raise ConfigError(f"--{section}.{flag} {given!r} does not parse as Jinja (line {e.lineno}: "
+                              f"{e.message}); fix it") from None
+    return text
+
+
+def _fixed(kwargs: dict | None) -> str:
+    # one `set` per variable, ahead of the template: it overrides any value a caller of apply_chat_template passes
+    return "".join(f"{{%- set {name} = {value!r} %}}" for name, value in (kwargs or {}).items())
+
+
+def load_tokenizer(path: str, chat_template: str | None = None, template_kwargs: dict | None = None,
+                   section: str = "data") -> Any:
+    """The tokenizer of an HF checkpoint, the one place instar makes one. ``chat_template`` (a Jinja file, see
+    `read_template`) replaces its template and ``template_kwargs`` are fixed into it, so every rendering of a
+    conversation (RL prompts and deltas, the chat server, SFT, eval) sees the same template and variables."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if chat_template or template_kwargs:
+        text = read_template(chat_template, template_kwargs, section) or tokenizer.chat_template
+        tokenizer.chat_template = _fixed(template_kwargs) + text
+    return tokenizer
 
 
 def render(tokenizer: Any, messages: list[Message], tools: list[dict] | None = None, *,

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from instar.config import DataConfig
-from instar.data.chat import prompt_messages
+from instar.config import ConfigError, DataConfig
+from instar.data.chat import prompt_ids, prompt_messages
 from instar.data.images import data_url, normalise
 from instar.data.records import MISSING, Subset, lookup, read_records, without_nulls
 
@@ -29,6 +29,7 @@ class Prompt:
     tools: list[dict[str, Any]] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     images: list[str] | None = None  # data URLs, for the first user turn (see --data.image_key)
+    chat: bool = True  # the record's prompt was chat messages, not a string
 
 
 def load_prompts(source: str | Any, cfg: DataConfig, split: str | None = None, flag: str = "data.prompt_dataset",
@@ -62,7 +63,19 @@ def _to_prompt(index: int, record: dict[str, Any], cfg: DataConfig, base: Path |
         images = [data_url(im, base, f"prompt {index} {cfg.image_key}[{k}]") for k, im in enumerate(images)]
     keys = (cfg.input_key, cfg.label_key, cfg.tools_key, cfg.image_key)
     rest = {k: v for k, v in record.items() if k not in keys}
-    return Prompt(index, messages, label, tools, rest, images or None)
+    return Prompt(index, messages, label, tools, rest, images or None, chat)
+
+
+def drop_overlong(prompts: list[Prompt], tokenizer: Any, max_len: int) -> list[Prompt]:
+    """The prompts that leave room to sample within --data.max_len, as the chat template renders them (an image's
+    placeholder tokens not counted), as verl's filter_overlong_prompts; prints how many it dropped."""
+    kept = [p for p in prompts if len(prompt_ids(tokenizer, p.messages, p.tools)) < max_len]
+    if len(kept) < len(prompts):
+        print(f"instar: dropped {len(prompts) - len(kept)} of {len(prompts)} prompts: they fill --data.max_len "
+              f"{max_len}", flush=True)
+    if not kept:
+        raise ConfigError(f"every prompt fills --data.max_len {max_len}; raise it")
+    return kept
 
 
 class PromptStream:
@@ -87,11 +100,11 @@ class PromptStream:
         while True:
             if self.cursor == len(self.prompts):
                 self.epoch, self.cursor = self.epoch + 1, 0
-            index = self._order(self.epoch)[self.cursor]
+            prompt = self.prompts[self._order(self.epoch)[self.cursor]]
             self.cursor += 1
-            key = (self.epoch, index)
+            key = (self.epoch, prompt.index)  # the record's index: overlong records are not in the list
             if key not in self.trained and key not in self.rejected and key not in self.skip:
-                return self.epoch, self.prompts[index]
+                return self.epoch, prompt
 
     def mark_trained(self, epoch: int, index: int) -> None:
         key = (epoch, index)

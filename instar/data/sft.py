@@ -1,11 +1,14 @@
 """SFT data: chat-format conversations as token-level ``Sample``s whose ``action_mask`` marks
 the assistant tokens, the only ones the loss sees.
 
-Assistant spans come from the chat template itself, with no role markers written here: the
-conversation is rendered prefix by prefix (``messages[:i]``, then with the generation prompt, then
-``messages[:i+1]``) and each new piece of text is tokenized once and appended, as the RL transcript
-does with template deltas. Pieces between the generation prompt and the end of an assistant message
-(its content and the template's closing tokens) are trainable; everything else is context.
+Assistant spans come from the chat template itself, with no role markers written here: at each assistant
+message ``i`` the conversation is rendered up to it with the generation prompt (its context) and then with
+it (``messages[:i+1]``); each new piece of text is tokenized once and appended, as the RL transcript does
+with template deltas. The pieces from the generation prompt to the end of the message are trainable.
+
+A template may render a turn's context as something other than an extension of the text before it (one
+that drops the reasoning of earlier assistant turns, as Qwen3's does): that turn starts a new sample from
+its context as the template renders it, so each turn is trained on what the model sees when it writes it.
 """
 
 from __future__ import annotations
@@ -23,42 +26,44 @@ class TemplateError(ValueError):
     """The chat template renders a conversation in a way spans cannot be read from."""
 
 
-def _extend(done: str, text: str, where: str) -> str:
-    if not text.startswith(done):
-        raise TemplateError(f"the chat template does not render {where} as an extension of the messages before it "
-                            "(it rewrites earlier turns, e.g. drops old reasoning); use a prefix-stable template")
-    return text[len(done):]
-
-
 def tokenize_conversation(tokenizer: Any, messages: list[dict],
-                          tools: list | None = None) -> tuple[list[int], list[int]]:
-    """Token ids of the rendered conversation and a 0/1 mask of the assistant tokens."""
-    ids, mask, done = [], [], ""  # token ids, their 0/1 assistant mask, the text rendered so far
-
-    def append(text: str, trainable: int) -> None:
-        piece = encode(tokenizer, text) if text else []
-        ids.extend(piece)
-        mask.extend([trainable] * len(piece))
-
+                          tools: list | None = None) -> list[tuple[list[int], list[int], int]]:
+    """Token ids of the rendered conversation, a 0/1 mask of the assistant tokens and how many messages they
+    cover: one such piece, or one more at each assistant turn whose context breaks the prefix."""
+    pieces, ids, mask, done, end = [], [], [], "", 0  # done: the text ``ids`` hold
     for i, message in enumerate(messages):
-        if message.get("role") == "assistant":
-            prompt = render(tokenizer, messages[:i], tools, generation_prompt=True) if i else ""
-            append(_extend(done, prompt, f"the generation prompt before message {i}"), 0)
-            done = prompt
+        if message.get("role") != "assistant":
+            continue
+        prompt = render(tokenizer, messages[:i], tools, generation_prompt=True) if i else ""
+        if not prompt.startswith(done):  # the template rewrote earlier turns: a new sample from this context
+            pieces.append((ids, mask, end))
+            ids, mask, done = [], [], ""
         full = render(tokenizer, messages[: i + 1], tools, generation_prompt=False)
-        append(_extend(done, full, f"message {i}"), int(message.get("role") == "assistant"))
-        done = full
-    return ids, mask
+        if not full.startswith(prompt):
+            raise TemplateError(f"the chat template does not render assistant message {i} after its generation "
+                                "prompt, so its tokens cannot be told apart; use a template that does")
+        for text, trainable in ((prompt[len(done):], 0), (full[len(prompt):], 1)):
+            piece = encode(tokenizer, text) if text else []
+            ids.extend(piece)
+            mask.extend([trainable] * len(piece))
+        done, end = full, i + 1
+    return [*pieces, (ids, mask, end)]
 
 
-def conversation_sample(tokenizer: Any, messages: list[dict], tools: list | None = None,
-                        max_len: int | None = None, vision: Vision | None = None) -> Sample | None:
-    """One conversation as a ``Sample`` (truncated to ``max_len`` tokens); None when no assistant
-    token survives. Action tokens carry logprob 0 and version 0: no behaviour policy sampled them.
-    With ``vision`` each image placeholder is expanded (`Vision.expand`); a cut never splits an image."""
-    ids, mask = tokenize_conversation(tokenizer, messages, tools)
+def conversation_samples(tokenizer: Any, messages: list[dict], tools: list | None = None,
+                         max_len: int | None = None, vision: Vision | None = None) -> list[Sample]:
+    """One conversation as ``Sample``s, one per piece of `tokenize_conversation` that keeps an assistant token
+    once truncated to ``max_len``. Action tokens carry logprob 0 and version 0: no behaviour policy sampled
+    them. With ``vision`` each image placeholder is expanded (`Vision.expand`); a cut never splits an image."""
+    pieces = tokenize_conversation(tokenizer, messages, tools)
+    samples = [_sample(ids, mask, image_urls(messages[:end]), max_len, vision) for ids, mask, end in pieces]
+    return [s for s in samples if s is not None]
+
+
+def _sample(ids: list[int], mask: list[int], urls: list[str], max_len: int | None,
+            vision: Vision | None) -> Sample | None:
     images = None
-    expanded, found = vision.expand(ids, image_urls(messages)) if vision is not None else (ids, [])
+    expanded, found = vision.expand(ids, urls) if vision is not None else (ids, [])
     if found:
         counts = iter(im.counts[0] for im in found)  # a placeholder's copies take its mask value
         mask = [m for t, m in zip(ids, mask) for _ in range(next(counts) if t == vision.token_id else 1)]
@@ -75,11 +80,10 @@ def conversation_sample(tokenizer: Any, messages: list[dict], tools: list | None
 
 
 def load_sft_samples(source: str, tokenizer: Any, messages_key: str = "messages", max_len: int | None = None,
-                     tools_key: str = "tools", split: str = "train", vision: Vision | None = None,
-                     subset: Subset | None = None) -> list[Sample]:
+                     split: str = "train", vision: Vision | None = None, subset: Subset | None = None) -> list[Sample]:
     """Every conversation of a dataset (``instar.data.records``: a file, a directory or a hub name, its ``split``
-    of ``subset``), in order: a list of chat messages under ``messages_key``, optional tool schemas under
-    ``tools_key`` (dotted keys read nested fields)."""
+    of ``subset``), in order: a list of chat messages under ``messages_key`` (a dotted key reads a nested field),
+    optional tool schemas under ``tools``."""
     samples: list[Sample] = []
     for n, record in enumerate(read_records(source, split, "sft.dataset", subset)):
         messages = without_nulls(lookup(record, messages_key))
@@ -89,10 +93,8 @@ def load_sft_samples(source: str, tokenizer: Any, messages_key: str = "messages"
         if vision is not None:
             base = Path(source).parent if Path(source).is_file() else Path(source)
             messages = normalise(messages, base, f"--sft.dataset record {n}")
-        tools = without_nulls(lookup(record, tools_key, None))
-        sample = conversation_sample(tokenizer, messages, tools, max_len, vision)
-        if sample is not None:
-            samples.append(sample)
+        tools = without_nulls(lookup(record, "tools", None))
+        samples.extend(conversation_samples(tokenizer, messages, tools, max_len, vision))
     if not samples:
         raise ValueError(f"--sft.dataset {source!r} holds no conversation with an assistant message; "
                          "nothing to train on")

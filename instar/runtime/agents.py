@@ -3,14 +3,15 @@ out whole prompt groups against the engines through its own session-affinity rou
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 import torch
 
+from instar.config import RLConfig
 from instar.contract import Trajectory
 from instar.runtime.engines import ROLLOUT_NICE
 
@@ -20,25 +21,31 @@ AGENT_MAX_RESTARTS = 3
 
 @ray.remote(max_restarts=AGENT_MAX_RESTARTS)
 class AgentActor:
-    def __init__(self, agent_path: str, model_path: str, engine_handles: list[Any], *, max_len: int,
-                 max_new_tokens: int, agent_timeout: float, system_prompt: str | None, tool_parser: str):
+    def __init__(self, cfg: RLConfig, engine_handles: list[Any], reward_fns: Sequence[Callable[..., Any]] = ()):
+        """The agent is --train.agent_path's, or with --train.reward_fns (plus ``reward_fns``, the callables
+        given to `instar.rl`) a `RewardFnRunner`."""
         os.environ["OMP_NUM_THREADS"] = "1"
         os.nice(ROLLOUT_NICE)
         torch.set_num_threads(1)
-        from transformers import AutoTokenizer
-
         from instar.agents.api import load_agent
         from instar.agents.host import AgentHost
+        from instar.agents.reward_fns import RewardFnRunner, load_reward_fns
+        from instar.data.chat import load_tokenizer
         from instar.data.images import Vision
         from instar.engines.router import Router
         from instar.runtime.engines import RemoteEngine
 
         self.router = Router([RemoteEngine(h) for h in engine_handles])
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.host = AgentHost(load_agent(agent_path), self.router, tokenizer, max_len=max_len,
-                              max_new_tokens=max_new_tokens, agent_timeout=agent_timeout,
-                              system_prompt=system_prompt, tool_parser=tool_parser,
-                              vision=Vision.from_pretrained(model_path))
+        model, data, train = cfg.actor.model_name_or_path, cfg.data, cfg.train
+        tokenizer = load_tokenizer(model, data.chat_template, data.chat_template_kwargs)
+        fns = [*train.reward_fns, *reward_fns]
+        runner = (RewardFnRunner(load_reward_fns(fns, train.reward_weights), data.label_key) if fns
+                  else load_agent(train.agent_path))
+        self.host = AgentHost(runner, self.router, tokenizer, max_len=data.max_len,
+                              max_new_tokens=data.max_new_tokens, agent_timeout=train.agent_timeout,
+                              system_prompt=data.system_prompt or None, tool_parser=data.tool_parser,
+                              vision=Vision.from_pretrained(model),
+                              error_reward=train.agent_error_reward if train.on_agent_error == "keep" else None)
         self.started = False
 
     async def run_group(self, tasks: list[Any]) -> list[Trajectory]:
@@ -46,8 +53,7 @@ class AgentActor:
         if not self.started:  # the chat server's loop must be the actor's own
             await self.host.__aenter__()
             self.started = True
-        out = await asyncio.gather(*(self.host.rollout(task) for task in tasks))
-        return [t for t in out if t is not None]
+        return await self.host.run_group(tasks)
 
     def metrics(self) -> dict[str, float]:
         """The host's counts, and this process's CPU seconds so far (the env, the chat server,

@@ -8,10 +8,11 @@ sync forms a new group with it and sends it the policy. A dead trainer rank stop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,9 +62,10 @@ class SyncPlan:
 
 
 class Cluster:
-    def __init__(self, cfg: RLConfig, train: bool = True):
-        """``train=False`` starts only engines and agent runners (`instar eval`)."""
-        self.cfg, self.train = cfg, train
+    def __init__(self, cfg: RLConfig, train: bool = True, reward_fns: Sequence[Callable[..., Any]] = ()):
+        """``train=False`` starts only engines and agent runners (`instar eval`); ``reward_fns``: reward
+        functions given to `instar.rl` as callables."""
+        self.cfg, self.train, self.reward_fns = cfg, train, reward_fns
         needs = registered(cfg.algo.advantage.estimator).needs
         self.has_ref, self.has_critic = cfg.algo.kl.coef > 0 or needs.ref, needs.critic
         self.started_ray = False
@@ -153,11 +155,8 @@ class Cluster:
     def _start_agents(self) -> list[Any]:
         """--rollout.num_agent_runners agent runner actors, each routing to every engine."""
         cfg = self.cfg
-        return [AgentActor.options(num_cpus=0).remote(
-            cfg.train.agent_path, cfg.actor.model_name_or_path, self.engines, max_len=cfg.data.max_len,
-            max_new_tokens=cfg.data.max_new_tokens, agent_timeout=cfg.train.agent_timeout,
-            system_prompt=cfg.data.system_prompt, tool_parser=cfg.data.tool_parser)
-            for _ in range(cfg.rollout.num_agent_runners)]
+        return [AgentActor.options(num_cpus=0).remote(cfg, self.engines, self.reward_fns)
+                for _ in range(cfg.rollout.num_agent_runners)]
 
     async def _start_trainer(self, gpu: bool, where: Placement) -> None:
         """The trainer ranks, and the weight-sync group from rank 0 to the engines."""
@@ -240,10 +239,9 @@ class Cluster:
             await asyncio.gather(*(a.close.remote() for a in self.agents), return_exceptions=True)
             await asyncio.gather(*(e.close.remote() for e in self.engines), return_exceptions=True)
 
-        try:  # an engine stuck in a broadcast from a dead trainer rank would answer only at the group's timeout
+        # an engine stuck in a broadcast from a dead trainer rank would answer only at the group's timeout
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(closing(), CLOSE_TIMEOUT_S)
-        except TimeoutError:
-            pass
         for actor in [*self.agents, *self.engines]:  # on a shared cluster they would outlive the run
             ray.kill(actor)
         if self.trainer is not None:

@@ -23,24 +23,23 @@ async def evaluate(agents: list[Any], cfg: RLConfig, sampling: SamplingParams, s
     prompts = load_prompts(e.dataset, cfg.data, e.split, "eval.dataset", Subset(e.dataset_config, e.dataset_revision,
                                                                               e.data_files))
     out, dumped = {}, []
-    bar = tqdm(total=2 * len(prompts), desc=f"eval step {step}", unit="group", leave=False, dynamic_ncols=True)
+    with tqdm(total=2 * len(prompts), desc=f"eval step {step}", unit="group", leave=False, dynamic_ncols=True) as bar:
 
-    async def run(i: int, group: list[Task]) -> list[Trajectory]:
-        trajs = await agents[i % len(agents)].run_group.remote(group)
-        bar.update(1)
-        return trajs
+        async def run(i: int, group: list[Task]) -> list[Trajectory]:
+            trajs = await agents[i % len(agents)].run_group.remote(group)
+            bar.update(1)
+            return trajs
 
-    for name, temp, k in (("eval", cfg.eval.temperature, cfg.eval.n_samples), ("eval_greedy", 0.0, 1)):
-        params = sampling.replace(temperature=temp)
-        groups = [group_tasks(p, p.index, k, params, f"{name}-{p.index}-") for p in prompts]
-        results = await asyncio.gather(*(run(i, g) for i, g in enumerate(groups)))
-        dumped += [t for trajs in results for t in trajs]
-        scores = [[t.outcome for t in trajs] for trajs in results]
-        n = sum(len(s) for s in scores)
-        out[f"{name}/accuracy"] = sum(map(sum, scores)) / max(n, 1)
-        out[f"{name}/pass@{k}"] = sum(any(x >= 1.0 for x in s) for s in scores) / len(prompts)
-        out[f"{name}/dropped"] = float(len(prompts) * k - n)
-    bar.close()
+        for name, temp, k in (("eval", cfg.eval.temperature, cfg.eval.n_samples), ("eval_greedy", 0.0, 1)):
+            params = sampling.replace(temperature=temp)
+            groups = [group_tasks(p, p.index, k, params, f"{name}-{p.index}-") for p in prompts]
+            results = await asyncio.gather(*(run(i, g) for i, g in enumerate(groups)))
+            dumped += [t for trajs in results for t in trajs]
+            scores = [[t.outcome for t in trajs] for trajs in results]
+            n = sum(len(s) for s in scores)
+            out[f"{name}/accuracy"] = sum(map(sum, scores)) / max(n, 1)
+            out[f"{name}/pass@{k}"] = sum(any(x >= 1.0 for x in s) for s in scores) / len(prompts)
+            out[f"{name}/dropped"] = float(len(prompts) * k - n)
     if cfg.eval.dump_dir:
         path = Path(cfg.eval.dump_dir) / f"eval_step_{step:06d}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ from instar.runtime.agents import AGENT_MAX_RESTARTS
 def group_tasks(prompt: Prompt, group_id: int, n: int, sampling: SamplingParams, id_prefix: str) -> list[Task]:
     """The ``n`` rollouts of one prompt, with rollout ids ``{id_prefix}0`` .. ``{id_prefix}{n-1}``."""
     return [Task(prompt=prompt.messages, label=prompt.label, tools=prompt.tools, images=prompt.images,
-                 metadata=prompt.metadata, prompt_index=prompt.index,
+                 metadata=prompt.metadata, chat=prompt.chat, prompt_index=prompt.index,
                  group_id=group_id, rollout_id=f"{id_prefix}{k}", sampling_params=sampling) for k in range(n)]
 
 
@@ -52,8 +52,7 @@ class Group:
     trajectories: list[Trajectory] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"group_id": self.group_id, "epoch": self.epoch, "prompt_index": self.prompt_index,
-                "trajectories": [t.to_json() for t in self.trajectories]}
+        return {**vars(self), "trajectories": [t.to_json() for t in self.trajectories]}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Group:

@@ -36,6 +36,9 @@ class StepInputs:
     ref_logprobs: list[Tensor] | None = None  # the frozen reference, for a KL term in the loss
     old_values: list[Tensor] | None = None  # the critic before the update (value clipping)
     returns: list[Tensor] | None = None  # the critic's targets
+    # seq-mean --actor.loss_agg_mode: 1 / the action tokens of the sample's trajectory, on its action tokens;
+    # a trajectory's sum to 1, so an update's sum is its number of trajectories
+    seq_weights: list[Tensor] | None = None
 
     def __reduce__(self) -> tuple:
         """Sent to the trainer ranks each step: each list travels as one flat tensor and its lengths (a
@@ -56,16 +59,17 @@ class LossInputs:
     token_ids: Tensor
     action_mask: Tensor  # bool
     rollout_logprobs: Tensor  # the engine's logprob of each sampled token
-    versions: Tensor  # the policy version that sampled each token
     lengths: Tensor  # [B]
     advantages: Tensor | None = None
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
     old_values: Tensor | None = None
     returns: Tensor | None = None
+    seq_weights: Tensor | None = None
     global_num_action_tokens: Tensor | None = None
     """Action tokens of the whole update over every rank: each micro-batch's loss is its share of the
     global token mean (sum / this)."""
+    global_num_seqs: int | None = None  # trajectories of the whole update, with ``seq_weights``
 
 
 @dataclass
@@ -295,7 +299,6 @@ def collate(samples: list[Sample], indices: list[int], step: StepInputs | None =
         token_ids=padded([s.token_ids for s in rows], T).to(device),
         action_mask=mask.to(device),
         rollout_logprobs=padded([s.rollout_logprobs for s in rows], T, torch.float32).to(device),
-        versions=padded([s.versions for s in rows], T).to(device),
         lengths=lengths_t.to(device), **given)
     # a shared token's routes are those of the sequence it was taken from (with replay all sharers' agree)
     routes = torch.cat([rows[b].routed_experts[a:z] for b, a, z in layout.sources]).to(device) if recorded else None

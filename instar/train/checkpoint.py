@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from instar.data.chat import load_tokenizer
 from instar.train import lora
-from instar.train.model import load_tokenizer
 from instar.train.run_dir import fsync_dir
 
 Stateful = dict[str, tuple[nn.Module, Optimizer]]
@@ -194,8 +194,7 @@ def export_hf(model: nn.Module, out_dir: str, source: str, merged: bool = False)
         processor = os.path.join(source, "preprocessor_config.json")
         if os.path.isfile(processor):  # a vision-language model's image processor
             shutil.copy(processor, tmp)
-        if os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)
+        shutil.rmtree(out_dir, ignore_errors=True)  # an earlier export to the same place
         os.replace(tmp, out_dir)
     _barrier()
     return out_dir

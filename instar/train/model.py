@@ -50,11 +50,6 @@ def load_model(path: str, dtype: str = "float32", backend: str = "hf", attn: str
     return model.train()
 
 
-def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
-
-
 class ValueModel(nn.Module):
     """The critic: an HF decoder trunk with a linear value head; ``forward`` returns one value per
     position, ``[1, N]`` for a packed row."""

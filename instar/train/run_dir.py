@@ -8,6 +8,7 @@ artefacts unless told to resume (--ckpt.load_enable) or to start over (--ckpt.ov
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -50,10 +51,9 @@ def prepare_run_dir(ckpt: CkptConfig) -> None:
             path.unlink()
 
 
-def truncate_lines(path: str | Path, keep: int) -> None:
+def truncate_lines(path: Path, keep: int) -> None:
     """Keep the first ``keep`` lines of ``path`` (when it exists), atomically: the ledger on resume,
     whose later lines belong to steps the resumed run redoes."""
-    path = Path(path)
     if path.exists():
         lines = path.read_text().splitlines()[:keep]
         atomic_write_text(path, "".join(line + "\n" for line in lines))
@@ -68,9 +68,8 @@ def truncate_dumps(dump_dir: str | None, step: int) -> None:
                 os.remove(os.path.join(dump_dir, name))
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
     """Replace ``path`` by ``text``; a crash at any point leaves either the old file or the new one."""
-    path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("w") as f:
         f.write(text)
@@ -136,11 +135,9 @@ class MetricsLogger:
         if self.path.exists():
             rows = []
             for line in self.path.read_text().splitlines():
-                try:
+                with contextlib.suppress(json.JSONDecodeError):  # only a torn line: each row is one whole JSON object
                     if json.loads(line)["step"] <= step:
                         rows.append(line)
-                except json.JSONDecodeError:  # only a torn line: each row is one whole JSON object
-                    continue
             atomic_write_text(self.path, "".join(r + "\n" for r in rows))
 
     def note(self, text: str) -> None:

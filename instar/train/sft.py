@@ -13,13 +13,13 @@ from torch import Tensor
 
 from instar.config import SFTConfig
 from instar.contract import Sample
+from instar.data.chat import load_tokenizer, read_template
 from instar.data.images import Vision
 from instar.data.records import Subset
 from instar.data.sft import load_sft_samples
 from instar.train import checkpoint
 from instar.train.batch import LossInputs
 from instar.train.launch import cpu_threads, reserve_port, run_ranks
-from instar.train.model import load_tokenizer
 from instar.train.run_dir import MetricsLogger
 from instar.train.worker import TrainWorker
 
@@ -36,6 +36,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
     step's metrics. One rank runs in this process; more are spawned locally."""
     if cfg.sft.batch_size < cfg.fsdp.num_ranks:
         raise ValueError(f"--sft.batch_size {cfg.sft.batch_size} must be >= --fsdp.num_ranks {cfg.fsdp.num_ranks}")
+    read_template(cfg.sft.chat_template, cfg.sft.chat_template_kwargs, "sft")  # fails here, not in each rank
     if cfg.fsdp.num_ranks == 1:
         threads = torch.get_num_threads()
         try:
@@ -62,7 +63,8 @@ def eval_loss(worker: TrainWorker, samples: list[Sample]) -> float:
 
 def _sft_rank(rank: int, world: int, port: int, cfg: SFTConfig) -> dict[str, float]:
     torch.set_num_threads(cpu_threads(world))  # nothing else computes during SFT: the ranks share every core
-    tokenizer = load_tokenizer(cfg.actor.model_name_or_path)
+    tokenizer = load_tokenizer(cfg.actor.model_name_or_path, cfg.sft.chat_template, cfg.sft.chat_template_kwargs,
+                               "sft")
     samples = load_sft_samples(cfg.sft.dataset, tokenizer, cfg.sft.messages_key, cfg.sft.max_len,
                                split=cfg.sft.split, vision=Vision.from_pretrained(cfg.actor.model_name_or_path),
                                subset=Subset(cfg.sft.dataset_config, cfg.sft.dataset_revision, cfg.sft.data_files))

@@ -60,8 +60,8 @@ class TrainStats:
 
 LossFn = Callable[[Tensor, Tensor, LossInputs], tuple[Tensor, dict[str, Any]]]
 """Policy loss: ``(logprobs [B,T], entropy [B,T], inputs) -> (loss, metrics)``. The loss is this
-micro-batch's share of the global token mean (sum / ``inputs.global_num_action_tokens``); metrics
-are shares too: they are summed over micro-batches and ranks."""
+micro-batch's share of the update's loss (a sum over its tokens / ``inputs.global_num_action_tokens``, or
+with the weights of --actor.loss_agg_mode); metrics are shares too: they are summed over micro-batches and ranks."""
 ValueLossFn = Callable[[Tensor, LossInputs], tuple[Tensor, dict[str, Any]]]
 """Critic loss: ``(values [B,T], inputs) -> (loss, metrics)``, with the same share rule."""
 
@@ -292,6 +292,8 @@ class TrainWorker:
         per_update: list[dict[str, float]] = []
         for u, update in enumerate(updates):
             global_tokens = sum(samples[i].num_actions for i in update)  # skipped rows count: the same update
+            # a trajectory's seq_weights sum to 1 (its rows are all in this update): the update's trajectories
+            seqs = round(sum(float(inputs.seq_weights[i].sum()) for i in update)) if inputs.seq_weights else None
             run = self._run_rows(update, forward_only)
             mine = self._share(samples, run, forward_only)
             optimizer.zero_grad(set_to_none=True)
@@ -299,6 +301,7 @@ class TrainWorker:
             idle = {k for k, i in enumerate(mine) if i in forward_only}
             for mb, repeat, backward in self._micro_batches([samples[i] for i in mine], inputs, mine, idle):
                 mb.inputs.global_num_action_tokens = torch.tensor(global_tokens, device=self.device)
+                mb.inputs.global_num_seqs = seqs
                 with self._replay(model, mb), torch.set_grad_enabled(backward):
                     loss, metrics = loss_of(mb)
                     # FSDP averages gradients over the ranks it shards over, but each rank's loss is already
@@ -307,8 +310,7 @@ class TrainWorker:
                     if backward:
                         (loss * (0.0 if repeat else float(self.layout.shard_size))).backward()
                 if not repeat:
-                    sums["micro_batches"] = sums.get("micro_batches", 0.0) + 1
-                    for k, v in {"loss": loss, **metrics}.items():
+                    for k, v in {"micro_batches": 1, "loss": loss, **metrics}.items():
                         sums[k] = sums.get(k, 0.0) + float(v.detach() if isinstance(v, Tensor) else v)
             if isinstance(model, FSDPModule):  # after a forward without backward the root keeps its gathered
                 model.reshard()  # weights, which the step would leave stale for the next forward
@@ -330,13 +332,10 @@ class TrainWorker:
         if model is self.policy:
             self.step += 1
         mean = {k: sum(m.get(k, 0.0) for m in per_update) / len(per_update) for k in per_update[0]}
-        out = {f"{prefix}/{k}": v for k, v in mean.items()}
-        out.update({f"{prefix}/lr": lr, f"{prefix}/updates": float(len(updates)),
-                    f"{prefix}/samples": float(len(samples)),
-                    f"{prefix}/action_tokens": float(sum(s.num_actions for s in samples)),
-                    f"{prefix}/step_time": time.perf_counter() - start,
-                    f"{prefix}/threads": sum(self.threads_used) / len(self.threads_used)})
-        return TrainStats(out, ref_kl=mean.get("ref_kl"))
+        mean |= {"lr": lr, "updates": float(len(updates)), "samples": float(len(samples)),
+                 "action_tokens": float(sum(s.num_actions for s in samples)),
+                 "step_time": time.perf_counter() - start, "threads": sum(self.threads_used) / len(self.threads_used)}
+        return TrainStats({f"{prefix}/{k}": v for k, v in mean.items()}, ref_kl=mean.get("ref_kl"))
 
     # ---- weight sync, checkpoints, export --------------------------------------------------------
 
