@@ -2,7 +2,7 @@
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo demo-vlm test test-fast lint test-vllm
+.PHONY: setup demo demo-vlm test test-fast lint test-vllm docs
 
 setup:
 	@bash scripts/setup.sh
@@ -24,6 +24,10 @@ test-fast: setup
 
 lint: setup
 	.venv/bin/ruff check .
+
+# The docs site into build/site (strict: a broken link or reference fails; tests/test_docs.py builds it too).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
 
 # The vLLM engine's integration tier on vLLM's CPU build, in its own venv (.venv-vllm, ~3 min to set up
 # once); a missing vllm there is an error, never a skip.

@@ -1,5 +1,6 @@
 """The README's agent examples are real: extracted, loaded as agent modules, and run for one rollout
-each against the embedded engine on the tiny model."""
+each against the embedded engine on the tiny model. The files, flags and snippets of every page, the README's
+included, are checked in test_docs.py."""
 
 import asyncio
 import re
@@ -66,15 +67,3 @@ def action_spans(traj) -> list[list[int]]:
             if action:
                 spans[-1].append(token)
     return spans
-
-
-def test_readme_names_only_files_that_exist():
-    paths = set(re.findall(r"(?<![\w/.-])((?:examples|scripts|bench|docs|tests|instar|requirements)/[\w./-]*\w)",
-                           README.read_text()))
-    assert len(paths) > 20
-    placeholder = re.compile(r"/[A-Z]+\.")  # bench/NAME.py
-    assert sorted(p for p in paths if not (README.parent / p).exists() and not placeholder.search(p)) == []
-    # every file a shell example reads exists, or is written under runs/ by a command before it
-    commands = re.sub(r"#.*", "", "".join(re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)))
-    files = set(re.findall(r"(?<![\w/.-])([\w./-]+\.(?:jsonl|json|yaml|py|sh|sbatch|parquet|csv))\b", commands))
-    assert sorted(f for f in files if not (README.parent / f).exists() and not f.startswith("runs/")) == []

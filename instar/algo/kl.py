@@ -3,7 +3,7 @@
 Tokens are sampled from the policy q; with log r = ref_logprob - logprob (Schulman, "Approximating
 KL divergence"): k1 = -log r (unbiased, can be negative), k2 = (log r)^2 / 2, k3 = (r - 1) - log r
 (unbiased and >= 0). `--algo.kl.use_in reward` subtracts coef * k per token from the reward of the
-token-level estimators (REINFORCE++); `loss` adds coef * token-mean(k) to the policy loss.
+token-level estimators (REINFORCE++); `loss` adds coef * k, aggregated as --actor.loss_agg_mode, to the policy loss.
 
 The coefficient is fixed (`--algo.kl.target` unset) or adapted by the proportional controller of
 Ziegler et al. (2019); its state goes into checkpoints through `state_dict` / `load_state_dict`.

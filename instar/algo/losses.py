@@ -29,7 +29,8 @@ ranks to get the update's mean over its action tokens.
 
 NaN safety: every input is passed through `torch.where(action_mask, x, 0)` first and every dropped
 token's loss through `torch.where(keep, loss, 0)`, and ratios are exp of a clamped log-ratio, so a
-padded or dropped token contributes exactly zero gradient whatever its values.
+padded or dropped token adds exactly zero gradient to the policy term whatever its values (the entropy and KL
+terms count every action token: the IS filter drops a token from the policy term only).
 
 Loss modes (`--actor.loss_mode`), r = exp(logprob - old_logprob), band [1 - low, 1 + high]:
   ppo    -min(r A, clip(r) A); with --actor.dual_clip c, at most -c A for A < 0

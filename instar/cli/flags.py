@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 from jsonargparse import ArgumentParser
 
 from instar.cli.main import COMMANDS, command_parser
@@ -11,14 +13,16 @@ from instar.config import ALIASES
 
 def rows(parser: ArgumentParser) -> list[tuple[str, str, str]]:
     """(flag, default, meaning) of each flag of a command's parser, as its `--help` has them (jsonargparse
-    reads the meaning from the docstring under each dataclass field)."""
-    meaning = {a.dest: a.help for a in parser._actions}
-    return [(f"--{flag}", repr(default), " ".join((meaning[flag] or "").split()))
-            for flag, default in parser.get_defaults().items() if flag != "config"]
+    reads the meaning from the docstring under each dataclass field); a bar in the meaning is escaped for the
+    table, except inside code (`<|python_tag|>`)."""
+    meaning = {a.dest: re.sub(r"(`+).*?\1|\|", lambda m: m.group(1) and m.group(0) or r"\|", " ".join(
+        (a.help or "").split())) for a in parser._actions}
+    return [(f"--{flag}", repr(default), meaning[flag]) for flag, default in parser.get_defaults().items()
+            if flag != "config"]
 
 
 def reference() -> str:
-    lines = ["# instar flags", "", "Generated from `instar/config.py` by `python -m instar.cli.flags`; every flag is",
+    lines = ["# instar flags", "", "Generated from `instar/config/` by `python -m instar.cli.flags`; every flag is",
              "also a key of a YAML recipe (`--config recipe.yaml`). Molt's spellings are accepted as aliases, in",
              "flags and recipe keys: " + ", ".join(f"`--{old}*` = `--{new}*`" if old.endswith(".") else
                                                   f"`--{old}` = `--{new}`" for old, new in ALIASES.items()) + ".", ""]
@@ -30,7 +34,7 @@ def reference() -> str:
         listed[cls] = name
         lines += [f"## instar {name}", "", (cls.__doc__ or "").strip(), "", "| flag | default | meaning |",
                   "|---|---|---|"]
-        lines += [f"| `{flag}` | `{default}` | {doc.replace('|', '/')} |"
+        lines += [f"| `{flag}` | `{default}` | {doc} |"
                   for flag, default, doc in rows(command_parser(name, cls))]
         lines.append("")
     return "\n".join(lines)

@@ -25,7 +25,7 @@ class AdvantageConfig:
     the critic's returns use them before. reinforce and reinforce_baseline always whiten."""
     is_correction_level: Literal["off", "token", "seq", "geo"] = "geo"
     """Importance-sampling correction of rollout vs trainer logprobs: per token, or a sequence gate (seq: the
-    product of the token ratios; geo: their geometric mean). Default geo with mode mask, as in Molt."""
+    product of the token ratios; geo: their geometric mean). Default geo with mode mask, as in Molt's recipes."""
     is_correction_mode: Literal["mask", "clip", "trunc"] = "mask"
     """What to do outside the band: mask the token (the whole sequence for seq/geo), clip the weight into the
     band, or truncate above (token level only)."""

@@ -40,7 +40,7 @@ class EvalConfig:
     data_files: str | list[str] | None = None
     """Files of an --eval.dataset directory or hub dataset to read."""
     steps: int = 0
-    """Evaluate every N steps (and at the start); 0 only at the start and end."""
+    """Evaluate every N steps (and at the start); 0: only after the last step."""
     n_samples: int = 1
     """Samples per prompt (k of pass@k)."""
     temperature: float = 1.0

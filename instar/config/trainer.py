@@ -69,10 +69,10 @@ class TrainConfig:
     two versions); off, in-flight turns finish on the weights they started with while new ones start on the new
     weights (every turn from one version)."""
     agent_timeout: float = 600.0
-    """Seconds one rollout may take in user code before it is dropped."""
+    """Seconds one rollout may take, sampling and user code together, before it is dropped."""
     batch_size: int | None = None
     """Samples (trajectories) per optimizer update: each rollout batch (--rollout.batch_size x
-    --rollout.n_samples_per_prompt samples) is split into that many mini-batches, one update each, and the
+    --rollout.n_samples_per_prompt samples) is split into mini-batches of this many, one update each, and the
     weights go to the engines once per rollout batch. None: one update per rollout batch."""
     max_epochs: int = 1
     """Passes over each rollout batch's mini-batches (reshuffled every pass)."""
