@@ -61,9 +61,8 @@ class LiveText:
 
     def _safe(self) -> tuple[str, str]:
         """(reasoning, content) that the finished turn is sure to begin with."""
-        text = self.text
-        cut = min(_opening(text, start) for start in self.call_starts)
-        text = text[:cut].rstrip()
+        cut = min(_opening(self.text, start) for start in self.call_starts)
+        text = self.text[:cut].rstrip()
         if "</think>" in text:  # the reasoning is complete (split as the finished turn will be)
             return split_reasoning(text)
         start = text.lstrip()[:len("<think>")]

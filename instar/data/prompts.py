@@ -57,10 +57,9 @@ def _to_prompt(index: int, record: dict[str, Any], cfg: DataConfig, base: Path |
     messages = normalise(prompt_messages(value, cfg.system_prompt or None), base, f"prompt {index}")
     label = lookup(record, cfg.label_key, None)
     tools, images = (without_nulls(lookup(record, k, None)) for k in (cfg.tools_key, cfg.image_key))
-    if images is not None:
-        if not isinstance(images, list):
-            images = [images]
-        images = [data_url(im, base, f"prompt {index} {cfg.image_key}[{k}]") for k, im in enumerate(images)]
+    if images is not None and not isinstance(images, list):
+        images = [images]
+    images = [data_url(im, base, f"prompt {index} {cfg.image_key}[{k}]") for k, im in enumerate(images or [])]
     keys = (cfg.input_key, cfg.label_key, cfg.tools_key, cfg.image_key)
     rest = {k: v for k, v in record.items() if k not in keys}
     return Prompt(index, messages, label, tools, rest, images or None, chat)
@@ -119,8 +118,7 @@ class PromptStream:
     def state_dict(self) -> dict[str, Any]:
         # Resume from the oldest epoch with an untrained prompt: one handed out at the end of the
         # previous epoch may still have been in flight.
-        done = self.trained | self.rejected
-        counts = Counter(epoch for epoch, _ in done)
+        counts = Counter(epoch for epoch, _ in self.trained | self.rejected)
         first = next((e for e in range(self.floor, self.epoch + 1) if counts[e] < len(self.prompts)), self.epoch)
         return {"epoch": first, "trained": sorted(k for k in self.trained if k[0] >= first),
                 "rejected": sorted(k for k in self.rejected if k[0] >= first)}

@@ -61,7 +61,7 @@ class EmbeddedEngine:
         check_supported(model)
         self.model = model.eval()
         self.cfg = cfg or EngineConfig()
-        self._version = version
+        self.version = version  # of the weights that new requests sample
         self._params = dict(model.named_parameters(remove_duplicate=False))  # tied lm_head.weight included
         moe_layers = sum(is_moe(layer) for layer in decoder(model).layers)
         self._routing_shape = (moe_layers, text_config(model).num_experts_per_tok) if moe_layers else None
@@ -99,10 +99,6 @@ class EmbeddedEngine:
         auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
         model = auto.from_pretrained(str(path), dtype=getattr(torch, cfg.dtype))
         return cls(model, cfg, version, accelerate(model) if accelerate is not None else None)
-
-    @property
-    def version(self) -> int:
-        return self._version
 
     def load(self) -> EngineLoad:
         return EngineLoad(queued=len(self._queue), running=len(self._running))
@@ -188,7 +184,7 @@ class EmbeddedEngine:
             params = dict(model.named_parameters(remove_duplicate=False))
             # no request uses that copy: it loads (and a broadcast arrives) while the steps go on
             await asyncio.to_thread(load_named, params, named_tensors)
-            self._previous, self._spare = (self.model, self._version), None
+            self._previous, self._spare = (self.model, self.version), None
             self.model, self._params = model, params
             for request in self._running:
                 request.previous = True
@@ -198,7 +194,7 @@ class EmbeddedEngine:
                 request.cached, request.family = 0, None  # recomputed apart: no longer copies of one prompt
                 request.features.clear()
         self._prefixes.clear()
-        self._version = version
+        self.version = version
 
     async def join_weight_group(self, open_group: Callable, master_addr: str, master_port: int, first_rank: int,
                                 world_size: int, device: str) -> None:
@@ -312,7 +308,7 @@ class EmbeddedEngine:
     def _run(self, group: list[Request]) -> None:
         """One forward over ``group``'s uncached tokens, then one sampled token for each live request."""
         new = [r.ids[r.cached:] for r in group]
-        model, version = self._previous if group[0].previous else (self.model, self._version)
+        model, version = self._previous if group[0].previous else (self.model, self.version)
         rope = [r.rope_of(r.cached, len(r.ids)) for r in group] if self._vision else None
         images = [image_features(model, r) for r in group] if self._vision else None
         batch = make_batch(self._cache, new, [r.slot for r in group], [r.cached for r in group], rope, images,
@@ -321,10 +317,9 @@ class EmbeddedEngine:
         if routed is not None:
             for request, rows in zip(group, routed.split([len(ids) for ids in new])):
                 request.record_routing(rows)
-        for request in group:
-            request.cached = len(request.ids)
         live = [row for row, r in enumerate(group) if r.finish_reason is None]
         for request in group:
+            request.cached = len(request.ids)
             if request.finish_reason is not None:  # an MoE request's last step: routing only
                 self._finish(request, request.finish_reason)
         if not live:

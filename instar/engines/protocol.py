@@ -86,8 +86,7 @@ class Engine(Sampler, Protocol):
     stats: dict[str, float]
     """Counters since start (prompt_tokens, prefix_hit_tokens, sampled_tokens; busy_seconds and steps where known)."""
 
-    @property
-    def version(self) -> int: ...
+    version: int  # the policy version of the weights new requests sample (set by `update_weights`)
 
     def load(self) -> EngineLoad: ...  # in process: answered at once
 

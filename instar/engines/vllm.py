@@ -108,7 +108,7 @@ class VLLMEngine:
         self.llm = llm
         self.cfg = cfg
         self.routing_replay = routing_replay
-        self._version = version
+        self.version = version
         self._start_version = version  # vLLM labels weights "default" until the first update
         self._tied = bool(getattr(llm.model_config.hf_config, "tie_word_embeddings", False))
         self._vocab = llm.model_config.get_vocab_size()
@@ -140,10 +140,6 @@ class VLLMEngine:
 
         args = AsyncEngineArgs(**engine_args(path, cfg, device, routing_replay))
         return cls(AsyncLLM.from_engine_args(args), cfg, version, routing_replay)
-
-    @property
-    def version(self) -> int:
-        return self._version
 
     def load(self) -> EngineLoad:
         # vLLM schedules internally; every unfinished request counts as running.
@@ -265,7 +261,7 @@ class VLLMEngine:
         # Preempts running requests too: they are re-prefilled under the new weights after resume.
         await self.llm.reset_prefix_cache(reset_running_requests=True)
         await self.llm.update_weight_version(str(version))
-        self._version = version
+        self.version = version
 
     def _check_paused(self) -> None:
         if not self._paused:

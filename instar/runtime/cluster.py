@@ -230,8 +230,7 @@ class Cluster:
 
     async def restore_engines(self, version: int) -> None:
         """Send the weights now if an engine was restarted: with one engine, nothing is generated until then."""
-        if self.engines and any(await asyncio.gather(*(self._call(i, "needs_weights")
-                                                       for i in range(len(self.engines))))):
+        if any(await asyncio.gather(*(self._call(i, "needs_weights") for i in range(len(self.engines))))):
             await self.sync_weights(version, self.plan.restore_in_flight)
 
     async def __aexit__(self, *exc: Any) -> None:

@@ -111,8 +111,7 @@ def nodes() -> list[Node]:
     import ray
 
     here = ray.get_runtime_context().get_node_id()
-    alive = [n for n in ray.nodes() if n["Alive"]]
-    alive.sort(key=lambda n: (n["NodeID"] != here, n["NodeID"]))
+    alive = sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: (n["NodeID"] != here, n["NodeID"]))
     return [Node(n["NodeID"], n["Resources"].get("CPU", 0), int(n["Resources"].get("GPU", 0))) for n in alive]
 
 

@@ -98,8 +98,7 @@ class MicroBatch:
 
     def split(self, unpacked: Tensor) -> list[Tensor]:
         """``[B, T]`` back to one 1-D tensor per sample, in row order (see ``indices``)."""
-        lengths = self.inputs.lengths.tolist()
-        return [unpacked[b, :n].detach().cpu() for b, n in enumerate(lengths)]
+        return [unpacked[b, :n].detach().cpu() for b, n in enumerate(self.inputs.lengths.tolist())]
 
 
 def plan_micro_batches(lengths: list[int], max_tokens: int, seqs: list[list[int]] | None = None) -> list[list[int]]:

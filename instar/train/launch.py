@@ -82,8 +82,7 @@ def open_store(addr: str, port: int, world_size: int, timeout: timedelta) -> dis
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    result = fn(rank, world_size, port, *args)
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(fn(rank, world_size, port, *args), os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def _wait_all(procs: list, timeout: float | None) -> None:

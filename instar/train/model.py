@@ -57,12 +57,9 @@ class ValueModel(nn.Module):
     def __init__(self, trunk: nn.Module) -> None:
         super().__init__()
         self.trunk = trunk
+        self.config = trunk.config
         self.value_head = nn.Linear(trunk.config.hidden_size, 1, bias=False, dtype=trunk.dtype)
         nn.init.zeros_(self.value_head.weight)  # values start at 0, so early GAE equals Monte-Carlo returns
-
-    @property
-    def config(self) -> Any:
-        return self.trunk.config
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 attention_kwargs: dict[str, Any] | None = None) -> torch.Tensor:
