@@ -1,9 +1,11 @@
 """A bounded, seeded fuzz of the chat server over loopback, on the embedded engine and a tiny model:
 malformed requests across both protocols and both route kinds never get a 5xx, and after every 50
-the server still answers a valid request."""
+the server still answers a valid request; hostile images get a 4xx on a tiny vision-language model."""
 
+import asyncio
 import json
 import random
+import re
 import time
 from collections import Counter
 
@@ -105,3 +107,58 @@ async def test_a_thousand_malformed_requests_get_no_5xx(tiny_model_dir):
         await engine.close()
     print(f"\nfuzz: {N} requests in {time.perf_counter() - start:.1f} s, statuses {dict(sorted(statuses.items()))}")
     assert statuses[200] > 50 and statuses[400] > 400 and statuses[401] > 10
+
+
+@pytest.mark.asyncio
+async def test_hostile_images_get_4xx_decoded_off_the_event_loop(tiny_vlm_dir):
+    """Valid-but-hostile images (test_hostile_images.HOSTILE, and one too narrow for the image processor) sent
+    to a vision-language model: each is a 400 or, animated, an answer from its first frame, in both protocols,
+    decoded on a worker thread; one error never drops the connection, so a request pipelined after it is
+    answered."""
+    import base64
+    import threading
+
+    from PIL import Image
+    from test_hostile_images import HOSTILE, png
+
+    from instar.data.images import Vision
+    threads = []
+    vision = Vision.from_pretrained(tiny_vlm_dir)
+    process = vision.processor
+    vision.processor = lambda *a, **k: threads.append(threading.current_thread()) or process(*a, **k)
+    cases = {name: (make(), expected) for name, (make, expected) in HOSTILE.items()}
+    cases["1x5000"] = (png(Image.new("RGB", (1, 5000))), None)
+    engine = EmbeddedEngine.from_pretrained(tiny_vlm_dir)
+    try:
+        async with ChatServer(engine, AutoTokenizer.from_pretrained(tiny_vlm_dir), model_name="tiny", max_len=256,
+                              max_new_tokens=2, vision=vision) as server:
+            session = server.open(SamplingParams(max_tokens=2))
+            path, key = f"/s/{session.id}/v1", {"x-api-key": session.api_key}
+
+            def bodies(raw):
+                data = base64.b64encode(raw).decode()
+                openai = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}]
+                claude = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}]
+                return [("chat/completions", {"model": "tiny", "max_tokens": 2, "stream": True,
+                                              "messages": [{"role": "user", "content": openai}]}),
+                        ("messages", {"model": "tiny", "max_tokens": 2,
+                                      "messages": [{"role": "user", "content": claude}]})]
+
+            async with httpx.AsyncClient(base_url=server.root, timeout=60) as http:
+                for name, (raw, expected) in cases.items():
+                    for route, body in bodies(raw):
+                        r = await http.post(f"{path}/{route}", json=body, headers=key)
+                        assert r.status_code == (400 if expected is None else 200), (name, route, r.text)
+                        assert expected or "not a readable image" in r.text or "aspect ratio" in r.text, r.text
+            assert threads and threading.main_thread() not in threads  # the event loop's thread decoded none
+            reader, writer = await asyncio.open_connection(*server.root.removeprefix("http://").split(":"))
+            for (raw, _), last in ((cases["bomb"], False), (cases["truncated"], True)):
+                body = json.dumps(bodies(raw)[1][1]).encode()
+                head = f"POST {path}/messages HTTP/1.1\r\nhost: x\r\nx-api-key: {session.api_key}\r\n"
+                head += f"content-length: {len(body)}\r\n" + ("connection: close\r\n" if last else "")
+                writer.write(f"{head}\r\n".encode() + body)
+            statuses = re.findall(rb"HTTP/1.1 (\d+)", await reader.read())  # a closed connection ends the read
+            assert statuses == [b"400", b"400"]
+            writer.close()
+    finally:
+        await engine.close()

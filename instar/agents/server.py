@@ -261,6 +261,14 @@ def _error_response(request: Request, e: Exception) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status)
 
 
+def _encode(vision: Vision, urls: list[str]) -> None:
+    for k, url in enumerate(urls):
+        try:
+            vision.encode(url)
+        except ValueError as e:  # unreadable (a ConfigError), or refused by the image processor (aspect ratio)
+            raise wire.WireError(400, f"image {k} of the conversation: {str(e).removeprefix('image: ')}") from None
+
+
 def _chat_completions(session: Session, traced: bool, body: wire.OpenAIRequest) -> tuple:
     if body.stop:
         raise wire.WireError(400, "stop strings are not supported: a turn ends at the template's end-of-turn token")
@@ -320,8 +328,10 @@ def build_app(server: ChatServer) -> FastAPI:
             if messages[-1]["role"] == "assistant":
                 raise wire.WireError(400, "the last message is from the assistant; end with a user or tool message "
                                           "(continuing a partial assistant turn is not supported)")
-            if server.vision is None and image_urls(messages):
+            if (urls := image_urls(messages)) and server.vision is None:
                 raise wire.WireError(400, f"model {server.model_name!r} is text-only: it takes no images")
+            if urls:  # decoded here, off the event loop, into the vision's cache where the transcript finds them
+                await asyncio.to_thread(_encode, server.vision, urls)
             rid = f"{id_prefix}{uuid.uuid4().hex}"
 
             async def sample(on_tokens: Callable[[list[int], Sampled], None] | None = None) -> Turn:

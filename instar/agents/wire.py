@@ -8,7 +8,6 @@ without further type errors. Numbers are bounded so nothing out of range reaches
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -19,9 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from instar.agents.live import Delta
 from instar.agents.transcript import Turn, split_reasoning
-from instar.config import ConfigError
 from instar.data.chat import Message
-from instar.data.images import load_image
 
 INT32 = 2**31 - 1
 
@@ -175,7 +172,7 @@ def text_of(content: str | list[Any] | None, where: str = "content") -> str:
 
 def content_of(content: str | list[Any] | None, where: str) -> str | list[dict]:
     """A user or tool message's content: its text, or with images, text and image parts in the one
-    canonical form (`instar.data.images`: data URLs)."""
+    canonical form (`instar.data.images`: data URLs, which the server decodes off its event loop)."""
     if isinstance(content, str) or not any(isinstance(p, ImageURLPart | ImageBlock) for p in content or []):
         return text_of(content, where)
     parts = []
@@ -192,8 +189,6 @@ def content_of(content: str | list[Any] | None, where: str) -> str | list[dict]:
         if not url.startswith("data:image/"):
             raise WireError(400, f"{where}[{k}]: image_url must be a data URL (data:image/png;base64,...); the chat "
                                  "server fetches no URL")
-        if (problem := _unreadable(url)) is not None:
-            raise WireError(400, f"{where}[{k}]: {problem}")
         parts.append({"type": "image", "image": url})
     return parts
 
@@ -356,12 +351,3 @@ async def anthropic_events(parts: AsyncIterator[Delta | Turn], model: str,
     yield event("message_delta", usage=full["usage"], delta={"stop_reason": full["stop_reason"], "stop_sequence": None})
     yield event("message_stop")
 
-
-@functools.lru_cache(maxsize=256)
-def _unreadable(url: str) -> str | None:
-    """Why ``url`` is no image, or None; cached, as a conversation sends its images again every turn."""
-    try:
-        load_image(url)
-    except ConfigError as e:
-        return str(e).removeprefix("image: ")
-    return None

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import io
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,9 @@ from instar.config import ConfigError
 from instar.contract import ContractError, ImageInputs
 from instar.data.chat import Message
 
-CACHED_IMAGES = 512  # processed images kept per process: a group's samples and a session's turns share them
+# processed images kept per process, counting their data URLs and patches: a group's samples and a session's
+# turns share them
+CACHE_BYTES = 2**31
 
 
 def data_url(image: Any, base_dir: str | Path | None = None, where: str = "image") -> str:
@@ -52,7 +54,7 @@ def data_url(image: Any, base_dir: str | Path | None = None, where: str = "image
 
 
 def load_image(url: str, where: str = "image") -> Any:
-    """The PIL image (RGB) of a data URL."""
+    """The PIL image (RGB) of a data URL; see `_open` for what is refused."""
     head, _, payload = url.partition(",")
     if not head.startswith("data:") or not payload:
         raise ConfigError(f"{where}: expected a data URL (data:image/...;base64,...), got {url[:60]!r}")
@@ -60,17 +62,21 @@ def load_image(url: str, where: str = "image") -> Any:
         raw = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise ConfigError(f"{where}: the data URL's payload is not base64") from None
-    return _open(raw, where).convert("RGB")
+    return _open(raw, where)
 
 
 def _open(raw: bytes, where: str) -> Any:
-    from PIL import Image, UnidentifiedImageError
+    """The RGB image (an animation's first frame) of ``raw``; a `ConfigError` when it is no image or has more
+    pixels than ``PIL.Image.MAX_IMAGE_PIXELS`` (PIL's own setting; it only warns up to twice that)."""
+    from PIL import Image
     try:
-        image = Image.open(io.BytesIO(raw))
-        image.load()
-    except (UnidentifiedImageError, OSError) as e:
+        image = Image.open(io.BytesIO(raw))  # reads the header only
+        if Image.MAX_IMAGE_PIXELS and image.width * image.height > Image.MAX_IMAGE_PIXELS:
+            raise Image.DecompressionBombError(f"{image.width}x{image.height} pixels is over "
+                                               f"PIL.Image.MAX_IMAGE_PIXELS, {Image.MAX_IMAGE_PIXELS}")
+        return image.convert("RGB")
+    except Exception as e:  # PIL's decoders fail on hostile input in many types (OSError, ValueError, ...)
         raise ConfigError(f"{where}: not a readable image ({e})") from None
-    return image
 
 
 def _png_url(image: Any) -> str:
@@ -145,7 +151,7 @@ class Vision:
 
     def __init__(self, processor: Any, token_id: int, merge: int) -> None:
         self.processor, self.token_id, self.merge = processor, token_id, merge
-        self.encode = functools.lru_cache(maxsize=CACHED_IMAGES)(self._encode)  # one image's patches, by data URL
+        self.cache, self.lock = {}, threading.Lock()  # patches by data URL, the least recently used first
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Vision | None:
@@ -160,10 +166,19 @@ class Vision:
         return cls(AutoImageProcessor.from_pretrained(str(path)), config.image_token_id,
                    config.vision_config.spatial_merge_size)
 
-    def _encode(self, url: str) -> ImageInputs:
-        """One image's patches (`encode` is this, cached)."""
+    def encode(self, url: str) -> ImageInputs:
+        """One image's patches, cached (`CACHE_BYTES`). Thread-safe: the chat server encodes off its event loop."""
+        with self.lock:
+            if url in self.cache:
+                self.cache[url] = self.cache.pop(url)
+                return self.cache[url]
         out = self.processor(images=[load_image(url)], return_tensors="pt")
-        return ImageInputs(out["pixel_values"].float(), out["image_grid_thw"].long(), self.token_id, self.merge)
+        image = ImageInputs(out["pixel_values"].float(), out["image_grid_thw"].long(), self.token_id, self.merge)
+        with self.lock:
+            self.cache[url] = image
+            while sum(len(u) + im.pixel_values.nbytes for u, im in self.cache.items()) > CACHE_BYTES:
+                del self.cache[next(iter(self.cache))]
+        return image
 
     def expand(self, ids: list[int], urls: list[str]) -> tuple[list[int], list[ImageInputs]]:
         """``ids`` as the chat template wrote them (one placeholder per image) with each placeholder
