@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Any, get_args
 
 from instar.algo.advantages import registered, token_level
@@ -43,6 +44,7 @@ def check(cfg: RLConfig) -> None:
         raise ConfigError(f"--actor.dual_clip must be > 1, got {actor.dual_clip}")
     _check_algo(cfg)
     _check_batches(cfg)
+    _check_dumps(cfg)
     read_template(cfg.data.chat_template, cfg.data.chat_template_kwargs, "data")
     check_lora(actor, cfg.fsdp)
 
@@ -86,6 +88,17 @@ def _check_batches(cfg: RLConfig) -> None:
     if cfg.rollout.engine == "embedded":  # named explicitly: its limits are known before Ray starts
         choose_engine(cfg, gpu=False, vllm_installed=False)
     check_layout(fsdp)
+
+
+def _check_dumps(cfg: RLConfig) -> None:
+    """A run deletes the rollout dumps of the steps it trains: never those it replays, nor another run's."""
+    dump, replay, ckpt = cfg.train.rollout_dump_dir, cfg.train.rollout_replay_dir, cfg.ckpt
+    if dump and replay and os.path.realpath(dump) == os.path.realpath(replay):
+        raise ConfigError(f"--train.rollout_dump_dir and --train.rollout_replay_dir are the same directory ({dump}); "
+                          "a run deletes the dumps of the steps it trains: dump elsewhere")
+    if dump and not (ckpt.load_enable or ckpt.overwrite) and any(Path(dump).glob("step_*.jsonl")):
+        raise ConfigError(f"--train.rollout_dump_dir {dump} holds another run's dumps; resume that run "
+                          "(--ckpt.load_enable), delete them (--ckpt.overwrite) or choose another directory")
 
 
 def check_layout(fsdp: FSDPConfig, model: Any = None) -> None:

@@ -4,6 +4,7 @@ files are read back record by record, so the test sees what `wandb sync` would u
 import json
 import struct
 from pathlib import Path
+from unittest.mock import Mock
 
 import pytest
 
@@ -98,3 +99,32 @@ def test_sft_reports_to_tensorboard_and_wandb_and_a_resumed_sft_continues_its_wa
     assert a == b and job == "sft" and sorted(first) == [0, 1, 2, 3, 4] and sorted(second) == [5, 6, 7, 8]
     assert second[8]["actor/loss"] == pytest.approx(rows[8]["actor/loss"])
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@pytest.fixture
+def wandb_inits(monkeypatch) -> list[dict]:
+    """The arguments of each `wandb.init`, which starts nothing."""
+    import wandb
+
+    seen: list[dict] = []
+    monkeypatch.setattr(wandb, "init", lambda **kw: seen.append(kw) or Mock())
+    return seen
+
+
+@pytest.mark.parametrize("flag, env, mode", [(None, None, "offline"), (None, "online", "online"),
+                                             ("offline", "online", "offline"), ("online", None, "online")])
+def test_wandb_mode_is_the_flag_else_WANDB_MODE_else_offline(tmp_path, monkeypatch, wandb_inits, flag, env, mode):
+    if env is None:
+        monkeypatch.delenv("WANDB_MODE", raising=False)
+    else:
+        monkeypatch.setenv("WANDB_MODE", env)
+    MetricsLogger(tmp_path, LogConfig(wandb_project="p", wandb_mode=flag), total_steps=1).close()
+    assert wandb_inits[0]["mode"] == mode
+
+
+def test_a_fresh_run_starts_a_new_wandb_run_over_the_id_a_dead_run_left(tmp_path, wandb_inits):
+    (tmp_path / "wandb_run_id").write_text("0123456789abcdef")  # of a run killed before its first checkpoint
+    for start in (0, 2):  # the fresh run, then that run resumed
+        MetricsLogger(tmp_path, LogConfig(wandb_project="p"), total_steps=4, start_step=start).close()
+    fresh, resumed = (kw["id"] for kw in wandb_inits)
+    assert fresh != "0123456789abcdef" and fresh == resumed == (tmp_path / "wandb_run_id").read_text()

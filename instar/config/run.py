@@ -68,5 +68,5 @@ class LogConfig:
     """Also write TensorBoard event files."""
     wandb_project: str | None = None
     """Also log to Weights & Biases under this project."""
-    wandb_mode: Literal["online", "offline"] = "offline"
-    """Weights & Biases mode (offline needs no network)."""
+    wandb_mode: Literal["online", "offline"] | None = None
+    """Weights & Biases mode; unset: the WANDB_MODE environment variable, else offline (no login, no network)."""

@@ -92,7 +92,7 @@ class TrainConfig:
     routing_replay: bool = False
     """MoE: replay the experts the engine routed to in the training forward (R3)."""
     rollout_dump_dir: str | None = None
-    """Write every trained trajectory here, one step_N.jsonl per step (a fresh run first deletes the step
-    files there; a resumed one those past its checkpoint)."""
+    """Write every trained trajectory here, one step_N.jsonl per step. A fresh run refuses a directory that holds
+    step files unless --ckpt.overwrite (which deletes them); a resumed one deletes those past its checkpoint."""
     rollout_replay_dir: str | None = None
-    """Train from a rollout dump instead of engines (reproduce / debug a step)."""
+    """Train from a rollout dump instead of engines (reproduce / debug a step); not --train.rollout_dump_dir."""

@@ -110,10 +110,15 @@ class MetricsLogger:
                 import wandb
             except ImportError:
                 raise ImportError("--log.wandb_project needs the wandb package: pip install 'instar[wandb]'") from None
-            # a resumed rl / sft run goes on in the same W&B run: its id is kept in the run directory
-            same = {"id": _wandb_id(self.dir / "wandb_run_id"), "resume": "allow"} if job != "eval" else {}
-            self.wandb = wandb.init(project=cfg.wandb_project, mode=cfg.wandb_mode, dir=str(self.dir),
-                                    config=run_config, job_type=job, **same)
+            # a resumed rl / sft run goes on in the same W&B run: its id is kept in the run directory; a fresh
+            # one starts a new W&B run, also over the id of a run killed before its first checkpoint
+            id_file = self.dir / "wandb_run_id"
+            if job != "eval" and (start_step == 0 or not id_file.exists()):
+                atomic_write_text(id_file, uuid.uuid4().hex[:16])
+            same = {"id": id_file.read_text().strip(), "resume": "allow"} if job != "eval" else {}
+            # neither the flag nor WANDB_MODE: offline, which needs no login (wandb's own default, online, asks for one)
+            self.wandb = wandb.init(mode=cfg.wandb_mode or os.environ.get("WANDB_MODE", "offline"), dir=str(self.dir),
+                                    project=cfg.wandb_project, config=run_config, job_type=job, **same)
         self.bar = tqdm(total=total_steps, initial=start_step, desc=job, dynamic_ncols=True, disable=job == "eval")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -126,8 +131,7 @@ class MetricsLogger:
                 self.tb.add_scalar(k, v, step)
         if self.wandb is not None:
             self.wandb.log(numbers, step=step)
-        shown = {k: f"{numbers[k]:.3f}" for k in SHOWN[self.job] if k in numbers}
-        self.bar.set_postfix(shown)
+        self.bar.set_postfix({k: f"{numbers[k]:.3f}" for k in SHOWN[self.job] if k in numbers})
         self.bar.update(step - self.bar.n)
 
     def truncate_after(self, step: int) -> None:
@@ -150,12 +154,6 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
-
-
-def _wandb_id(path: Path) -> str:
-    if not path.exists():
-        atomic_write_text(path, uuid.uuid4().hex[:16])
-    return path.read_text().strip()
 
 
 def _json_value(v: Any) -> Any:
