@@ -43,11 +43,8 @@ def latest(root: str) -> str | None:
     """The newest readable checkpoint under ``root``, or None when it holds none. ``step_N.tmp``
     directories are interrupted saves and never count; a ``step_N`` with a missing, truncated or
     corrupt file is skipped with a warning naming it, and the one before it is taken."""
-    if not os.path.isdir(root):
-        return None
-    steps = sorted((int(m.group(1)) for d in os.listdir(root) if (m := _STEP_DIR.match(d))), reverse=True)
     skipped = []
-    for step in steps:
+    for step in _steps(root):
         path = os.path.join(root, f"step_{step}")
         if (problem := _problem(path)) is None:
             if skipped:
@@ -145,9 +142,14 @@ def _sharded_state(models: Stateful) -> dict[str, Any]:
     return out
 
 
+def _steps(root: str) -> list[int]:
+    """The steps of the checkpoints under ``root`` (none when it does not exist), newest first."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted((int(m.group(1)) for d in names if (m := _STEP_DIR.match(d))), reverse=True)
+
+
 def _prune(root: str, max_num: int) -> None:
-    steps = sorted(int(m.group(1)) for d in os.listdir(root) if (m := _STEP_DIR.match(d)))
-    for s in steps[:-max_num]:
+    for s in _steps(root)[max_num:]:
         shutil.rmtree(os.path.join(root, f"step_{s}"), ignore_errors=True)
 
 

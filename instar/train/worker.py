@@ -8,6 +8,7 @@ Every public method is collective: call it on all ranks at once, each with its o
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, replace
@@ -74,7 +75,7 @@ class TrainWorker:
         self.cpu = cpu or CpuConfig()
         self.step = 0
         self.sync_group: weight_sync.SyncGroup | None = None
-        self.before_micro_batch: Callable[[], None] | None = None  # e.g. picks the compute threads (trainer_group)
+        self.before_micro_batch: Callable[[], None] = lambda: None  # e.g. picks the compute threads (trainer_group)
         self.threads_used: list[int] = []  # compute threads of each micro-batch since the last update's metrics
 
     def init(self, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
@@ -132,8 +133,7 @@ class TrainWorker:
         for plan, count, backward in zip(kinds, counts, (False, True)):
             spare = plan or kinds[0] or kinds[1]  # a rank with none of this kind repeats another pass
             for k in range(count):
-                if self.before_micro_batch is not None:
-                    self.before_micro_batch()
+                self.before_micro_batch()
                 self.threads_used.append(torch.get_num_threads())
                 mb = collate(samples, spare[min(k, len(spare) - 1)], inputs, self.device, indices, self.share_prefix,
                              self.pad_rows)
@@ -318,8 +318,9 @@ class TrainWorker:
             if all(p.grad is None for p in trained):  # every pass was forward only: the gradient is zero,
                 for p in trained:  # and the optimizer steps on it as it would have (momentum, weight decay)
                     p.grad = torch.zeros_like(p)
-            grad_norm = clip_grad_norm(trained, clip)
-            optimizer.step()
+            grad_norm = clip_grad_norm(trained, clip)  # global: every rank skips alike
+            if math.isfinite(grad_norm):  # a NaN or inf gradient would make every weight NaN: skip the update
+                optimizer.step()
             names = sorted(sums)
             totals = self.sum_over_data([sums.get(k, 0.0) for k in names])
             if len(run) < len(update):  # shares of every action token: as means over the trained rows' tokens
@@ -332,8 +333,9 @@ class TrainWorker:
         if model is self.policy:
             self.step += 1
         mean = {k: sum(m.get(k, 0.0) for m in per_update) / len(per_update) for k in per_update[0]}
+        skipped = sum(not math.isfinite(m["grad_norm"]) for m in per_update)
         mean |= {"lr": lr, "updates": float(len(updates)), "samples": float(len(samples)),
-                 "action_tokens": float(sum(s.num_actions for s in samples)),
+                 "action_tokens": float(sum(s.num_actions for s in samples)), "skipped_nonfinite": float(skipped),
                  "step_time": time.perf_counter() - start, "threads": sum(self.threads_used) / len(self.threads_used)}
         return TrainStats({f"{prefix}/{k}": v for k, v in mean.items()}, ref_kl=mean.get("ref_kl"))
 
