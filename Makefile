@@ -17,7 +17,7 @@ demo-vlm: setup
 
 # Every test, the slow end-to-end ones included; lint first.
 test: setup lint
-	.venv/bin/python -m pytest -q -p no:cacheprovider
+	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25
 
 test-fast: setup
 	.venv/bin/python -m pytest -q -m "not slow"
