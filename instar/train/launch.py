@@ -20,7 +20,9 @@ def cpu_threads(share: int) -> int:
     """Compute threads for one of ``share`` processes that are busy at the same time on this machine's
     cores: together they use every core, and none oversubscribes them (two processes that each spin
     a thread per core run several times slower)."""
-    return max(1, len(os.sched_getaffinity(0)) // max(1, share))
+    # The cores this process may run on; macOS has no affinity call, so all of them there.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, share))
 
 
 class GenerationFlag:
@@ -119,8 +121,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             _wait_all(procs, timeout)
         finally:
             for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+                p.kill()  # a no-op for a rank that has exited
+                p.join()
             _held.pop(port, None)  # the ranks are gone: stop serving
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
