@@ -1,5 +1,6 @@
 """docs/metrics.md lists every metric a real run logs: each key of each metrics.jsonl row of a short `instar rl` run
-(critic, reference, dynamic filter, agent info, a final eval) is a documented key, or fits a documented family."""
+(critic, reference, dynamic filter, agent info, a final eval) is a documented key, or fits a documented family; every
+fraction, rate and ratio in it lies in [0, 1]."""
 
 import json
 import re
@@ -49,3 +50,7 @@ def test_every_logged_metric_is_documented(tmp_path, tiny_model_dir, prompts):
             "weight_sync/bytes"} <= keys
     pattern = documented()
     assert sorted(key for key in keys if not pattern.fullmatch(key)) == []
+    fractions = {key for key in keys if key.endswith(("_fraction", "_rate", "_ratio"))}  # every one is a fraction
+    assert {"engine/idle_fraction", "engine/prefix_hit_rate", "agent/cpu_fraction", "truncation_rate"} <= fractions
+    assert [(row["step"], key, row[key]) for row in logged for key in sorted(fractions & row.keys())
+            if not 0 <= row[key] <= 1] == []

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -82,10 +83,9 @@ class EmbeddedEngine:
         self._error: BaseException | None = None
         self._closed = False
         self._weight_group = None
-        self.stats = {"prompt_tokens": 0, "prefix_hit_tokens": 0, "sampled_tokens": 0, "busy_seconds": 0.0,
-                      "steps": 0, "sleeps": 0}
-        """Counters since start: prompt tokens admitted, of those the ones whose KV came from the
-        session's cached prefix (not recomputed), and tokens sampled."""
+        self._counts = {"prompt_tokens": 0, "prefix_hit_tokens": 0, "sampled_tokens": 0, "busy_seconds": 0.0,
+                        "steps": 0, "sleeps": 0}
+        self._stepping = threading.Lock()  # held for each step and its counting: `stats` reads between two steps
 
     @classmethod
     def from_pretrained(cls, path: str | Path, cfg: EngineConfig | None = None, version: int = 0,
@@ -102,6 +102,15 @@ class EmbeddedEngine:
 
     def load(self) -> EngineLoad:
         return EngineLoad(queued=len(self._queue), running=len(self._running))
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Counters since start: prompt tokens admitted, of those the ones whose KV came from the session's
+        cached prefix (not recomputed), tokens sampled, steps and the seconds they took, and the clock,
+        all read between the same two steps, so a rate or fraction of them lies in [0, 1]. Any thread may
+        read them; one that is not the engine's waits for the step in progress."""
+        with self._stepping:
+            return {**self._counts, "seconds": time.perf_counter()}
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        session_id: str | None = None, images: ImageInputs | None = None) -> Generation:
@@ -167,7 +176,7 @@ class EmbeddedEngine:
         self._wake.set()
 
     async def sleep(self) -> None:
-        self.stats["sleeps"] += 1  # its memory is the host's, which the trainer shares anyway: nothing to free
+        self._counts["sleeps"] += 1  # its memory is the host's, which the trainer shares anyway: nothing to free
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy tensors in by HF parameter name (``lm_head.weight`` may be absent when tied), set the
@@ -231,10 +240,11 @@ class EmbeddedEngine:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                start = time.perf_counter()
-                self._step()
-                self.stats["busy_seconds"] += time.perf_counter() - start
-                self.stats["steps"] += 1
+                with self._stepping:
+                    start = time.perf_counter()
+                    self._step()
+                    self._counts["busy_seconds"] += time.perf_counter() - start
+                    self._counts["steps"] += 1
                 await asyncio.sleep(0)  # let new requests, pause and resume in between steps
         except Exception as error:  # fail every waiter rather than leave it hanging
             self._error = error
@@ -256,7 +266,7 @@ class EmbeddedEngine:
             self._cache.reserve(0, request.slot + 1)
             self._running.append(request)
             self._reuse_prefix(request)
-            self.stats["prompt_tokens"] += request.prompt_len
+            self._counts["prompt_tokens"] += request.prompt_len
             if self.cfg.enable_prefix_caching and request.cached == 0 and request.prompt_len > 1:
                 # a group's samples arrive together with one prompt: it is computed once, for the first
                 leader = leaders.setdefault(tuple(request.identity(request.prompt_len)), request)
@@ -270,7 +280,7 @@ class EmbeddedEngine:
         for request, leader, _ in twins:  # fed from the last prompt token on, at the next step
             request.cached = request.shared = leader.shared = request.prompt_len - 1
             request.family = leader.family = leader
-            self.stats["prefix_hit_tokens"] += request.cached
+            self._counts["prefix_hit_tokens"] += request.cached
         self._compact()  # after the twins' copies: a leader that finished may leave a hole
         if self._previous is not None and not any(r.previous for r in self._running):  # the drain is over
             self._spare, self._previous = self._previous[0], None
@@ -328,7 +338,7 @@ class EmbeddedEngine:
         tokens, logprobs = sample(logits[live] if len(live) < len(group) else logits,
                                   [r.params for r in requests], [r.generator for r in requests],
                                   self.cfg.logprobs_mode, self.accelerator)
-        self.stats["sampled_tokens"] += len(requests)
+        self._counts["sampled_tokens"] += len(requests)
         for request, token, logprob in zip(requests, tokens.tolist(), logprobs.tolist()):
             request.ids.append(token)
             request.logprobs.append(logprob)
@@ -370,5 +380,5 @@ class EmbeddedEngine:
         if n:
             self._cache.write(request.slot, entry.keys, entry.values, n)
             request.cached = n
-            self.stats["prefix_hit_tokens"] += n
+            self._counts["prefix_hit_tokens"] += n
 

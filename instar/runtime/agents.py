@@ -13,7 +13,7 @@ import torch
 
 from instar.config import RLConfig
 from instar.contract import Trajectory
-from instar.runtime.engines import ROLLOUT_NICE
+from instar.runtime.engines import ROLLOUT_NICE, RemoteEngine
 
 AGENT_MAX_RESTARTS = 3
 """How many times Ray restarts a crashed agent-runner actor in one run (its groups are launched again)."""
@@ -33,7 +33,6 @@ class AgentActor:
         from instar.data.chat import load_tokenizer
         from instar.data.images import Vision
         from instar.engines.router import Router
-        from instar.runtime.engines import RemoteEngine
 
         self.router = Router([RemoteEngine(h) for h in engine_handles])
         model, data, train = cfg.actor.model_name_or_path, cfg.data, cfg.train
@@ -49,16 +48,18 @@ class AgentActor:
         self.started = False
 
     async def run_group(self, tasks: list[Any]) -> list[Trajectory]:
-        """Roll out one prompt group concurrently; dropped rollouts are counted in `metrics`, not returned."""
+        """Roll out one prompt group concurrently; dropped rollouts are counted in `stats`, not returned."""
         if not self.started:  # the chat server's loop must be the actor's own
             await self.host.__aenter__()
             self.started = True
         return await self.host.run_group(tasks)
 
-    def metrics(self) -> dict[str, float]:
-        """The host's counts, and this process's CPU seconds so far (the env, the chat server,
-        tokenization: all agent-side work) for the driver's per-step use fraction."""
-        return {**self.host.metrics(), "agent/cpu_seconds": time.process_time()}
+    def stats(self) -> dict[str, float]:
+        """The host's counts, and read together for the driver's per-step use fraction (`Usage`): this process's
+        CPU seconds so far (the env, the chat server, tokenization: all agent-side work, every thread) and the
+        wall clock times the machine's cores, which no process can use more of."""
+        return {**self.host.metrics(), "cpu_seconds": time.process_time(),
+                "core_seconds": time.perf_counter() * (os.cpu_count() or 1)}
 
     async def close(self) -> None:
         if self.started:

@@ -197,8 +197,9 @@ class EngineActor:
         for session_id in session_ids:
             self.loop.call_soon_threadsafe(self.engine.release, session_id)
 
-    def stats(self) -> dict[str, float]:
-        return dict(self.engine.stats)
+    async def stats(self) -> dict[str, float]:
+        # in a thread of its own: the embedded engine answers between two of its steps, so it may wait for one
+        return await asyncio.to_thread(lambda: dict(self.engine.stats))
 
     async def join_weight_group(self, master_addr: str, master_port: int, rank: int, world_size: int,
                                 device: str = "cpu") -> None:

@@ -3,50 +3,53 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Iterable
+from collections import Counter
 from typing import Any
+
+import ray
 
 
 class Usage:
-    """Agent-runner counts (cumulative) and engine / agent-runner use since the previous `read`."""
+    """Agent-runner counts (cumulative) and engine / agent-runner use since the previous `read`.
+
+    Each actor answers its counters and its clock, read together in its own process (the embedded engine's
+    between two of its steps); a fraction is the ratio of the sums of their changes between two answers, and
+    each actor's own ratio lies in [0, 1], so the whole does too. An actor whose counters went down (Ray
+    restarted it) is left out of that interval. The first interval starts when `Usage` is made: what the actors
+    did before (start-up, imports) is not counted."""
 
     def __init__(self, agents: list[Any], engines: list[Any]):
         self.agents, self.engines = agents, engines
-        self.last: tuple[float, dict[str, float]] = (time.perf_counter(), {})
+        self.asked = self._ask()  # the previous answers (the first `read` awaits these)
+
+    def _ask(self) -> list[asyncio.Future]:
+        return [asyncio.ensure_future(_answer(actor.stats.remote())) for actor in [*self.agents, *self.engines]]
 
     async def read(self) -> dict[str, float]:
-        totals = await _summed(a.metrics.remote() for a in self.agents)
-        now, use = time.perf_counter(), {"agent_cpu_seconds": totals.pop("agent/cpu_seconds", 0.0)}
-        use |= await _summed(e.stats.remote() for e in self.engines)
-        (then, last), self.last = self.last, (now, use)
-        delta = {k: v - last.get(k, 0.0) for k, v in use.items()}
-        if now > then:
-            if self.agents:  # none when replaying recorded rollouts
-                totals["agent/cpu_fraction"] = delta["agent_cpu_seconds"] / ((now - then) * len(self.agents))
-            if "busy_seconds" in delta:
-                totals["engine/idle_fraction"] = 1 - delta["busy_seconds"] / ((now - then) * len(self.engines))
-        if delta.get("steps"):  # how well requests batch, and what one engine step costs
+        before, self.asked = self.asked, self._ask()
+        totals, delta = Counter(), Counter()
+        for then, now in zip(await asyncio.gather(*before), await asyncio.gather(*self.asked)):
+            totals.update({k: v for k, v in now.items() if k.startswith("agent/")})  # the runners' counts
+            if all(v >= then.get(k, v) for k, v in now.items()):  # else Ray restarted it: its counters began again
+                delta.update({k: v - then.get(k, v) for k, v in now.items()})
+        if delta["core_seconds"]:  # none when replaying recorded rollouts
+            totals["agent/cpu_fraction"] = delta["cpu_seconds"] / delta["core_seconds"]
+        if delta["seconds"]:  # the embedded engine's clock: it measures busy time
+            totals["engine/idle_fraction"] = 1 - delta["busy_seconds"] / delta["seconds"]
+        if delta["steps"]:  # how well requests batch, and what one engine step costs
             totals["engine/rows_per_step"] = delta["sampled_tokens"] / delta["steps"]
-            totals["engine/step_ms"] = 1000 * delta.get("busy_seconds", 0.0) / delta["steps"]
-        if delta.get("sleeps"):  # --engine.enable_sleep_mode: once a step when it works
+            totals["engine/step_ms"] = 1000 * delta["busy_seconds"] / delta["steps"]
+        if delta["sleeps"]:  # --engine.enable_sleep_mode: once a step when it works
             totals["engine/sleeps"] = delta["sleeps"] / len(self.engines)
-        if delta.get("prompt_tokens"):
-            totals["engine/prefix_hit_rate"] = delta.get("prefix_hit_tokens", 0.0) / delta["prompt_tokens"]
-        return totals
+        if delta["prompt_tokens"]:
+            totals["engine/prefix_hit_rate"] = delta["prefix_hit_tokens"] / delta["prompt_tokens"]
+        return dict(totals)
 
 
-async def _summed(calls: Iterable[Any]) -> dict[str, float]:
-    """The actors' answers summed key by key; one that Ray is restarting (see `Cluster`) is left out of this
-    step's figures rather than failing the run (its counters restart from zero, so one delta jumps)."""
-    import ray
-
-    total: dict[str, float] = {}
-    for x in await asyncio.gather(*calls, return_exceptions=True):
-        if isinstance(x, ray.exceptions.RayActorError):
-            continue
-        if isinstance(x, BaseException):
-            raise x
-        for k, v in x.items():
-            total[k] = total.get(k, 0.0) + v
-    return total
+async def _answer(call: Any) -> dict[str, float]:
+    """An actor's answer; none from one that Ray is restarting (see `Cluster`): it is left out of this step's
+    figures rather than failing the run."""
+    try:
+        return await call
+    except ray.exceptions.RayActorError:
+        return {}
