@@ -130,6 +130,11 @@ class Slow(Env):
         await asyncio.sleep(60)
 
 
+class RaisesAtOnce(ChatAgent):
+    async def run(self, ctx):
+        raise KeyError("before any call")
+
+
 class Silent(ChatAgent):
     contexts: list = []
 
@@ -167,8 +172,10 @@ async def test_on_agent_error_keep_trains_what_was_sampled_with_the_given_reward
         host.error_reward = -1.0
         traj = await host.rollout(task())
         host.runner = ChatAgentRunner(Silent)
-        assert await host.rollout(task()) is None  # raised before sampling? here: nothing sampled at all
+        assert await host.rollout(task()) is None  # nothing sampled at all
+        host.runner = ChatAgentRunner(RaisesAtOnce)
+        assert await host.rollout(task()) is None  # raised before sampling: dropped, and not counted as kept
     assert (traj.reward, traj.info, traj.turns) == (-1.0, {"error": "ValueError: bad action"}, 1)
     [seg] = traj.segments
     assert sum(seg.action_mask) == len(encode(scripted.tokenizer, "The answer is 5.")) + 1
-    assert host.metrics() == {"agent/finished": 1.0, "agent/dropped_invalid": 1.0, "agent/kept_error_ValueError": 1.0}
+    assert host.metrics() == {"agent/finished": 1.0, "agent/dropped_invalid": 2.0, "agent/kept_error_ValueError": 1.0}

@@ -65,7 +65,7 @@ class AgentHost:
             first = next(i for i, m in enumerate(messages) if m["role"] == "user")
             messages[first] = {**messages[first], "content": with_markers(messages[first]["content"], task.images)}
         session = self.server.open(task.sampling_params)
-        me = asyncio.current_task()
+        me, kept_error = asyncio.current_task(), None
         self._running.add(me)
         try:
             result = await asyncio.wait_for(self.runner.rollout(task, messages, session), self.agent_timeout)
@@ -80,7 +80,7 @@ class AgentHost:
             log.warning("rollout %r: %s raised", task.rollout_id, type(e).__name__, exc_info=True)
             if self.error_reward is None:
                 return self._drop(f"error_{type(e).__name__}", task, str(e))
-            self.counts[f"kept_error_{type(e).__name__}"] += 1
+            kept_error = f"kept_error_{type(e).__name__}"  # counted once it is a trajectory, not dropped after all
             result = Result(reward=self.error_reward, info={"error": f"{type(e).__name__}: {e}"})
         finally:
             self._running.discard(me)
@@ -100,6 +100,8 @@ class AgentHost:
         except ContractError as e:
             return self._drop("invalid", task, str(e))
         self.finished += 1
+        if kept_error:
+            self.counts[kept_error] += 1
         return traj
 
     async def run_group(self, tasks: list[Task]) -> list[Trajectory]:
@@ -120,7 +122,8 @@ class AgentHost:
         self.counts[f"dropped_{reason}"] += 1
 
     def metrics(self) -> dict[str, float]:
-        """Counts since start: finished rollouts, those cancelled at shutdown and dropped ones by reason
-        (timeout, error_<Type>, prompt_too_long, invalid)."""
+        """Counts since start: finished rollouts, those cancelled at shutdown, dropped ones by reason (timeout,
+        error_<Type>, prompt_too_long, invalid, reward_timeout) and kept ones whose agent raised (kept_error_<Type>,
+        with --train.on_agent_error keep)."""
         counts = {f"agent/{key}": float(n) for key, n in sorted(self.counts.items())}
         return {"agent/finished": float(self.finished), **counts}
