@@ -270,8 +270,6 @@ def _encode(vision: Vision, urls: list[str]) -> None:
 
 
 def _chat_completions(session: Session, traced: bool, body: wire.OpenAIRequest) -> tuple:
-    if body.stop:
-        raise wire.WireError(400, "stop strings are not supported: a turn ends at the template's end-of-turn token")
     messages = wire.openai_messages(body.messages)
     sampling = _sampling(session, traced, body, max_tokens=body.max_completion_tokens or body.max_tokens,
                          seed=body.seed)
@@ -279,8 +277,6 @@ def _chat_completions(session: Session, traced: bool, body: wire.OpenAIRequest) 
 
 
 def _messages(session: Session, traced: bool, body: wire.AnthropicRequest) -> tuple:
-    if body.stop_sequences:
-        raise wire.WireError(400, "stop_sequences are not supported: a turn ends at the template's end-of-turn token")
     messages = wire.anthropic_messages(body.system, body.messages)
     sampling = _sampling(session, traced, body, top_k=body.top_k, max_tokens=body.max_tokens)
     return messages, wire.anthropic_tools(body.tools), sampling, None
@@ -325,6 +321,7 @@ def build_app(server: ChatServer) -> FastAPI:
             session = _authorize(server, request, session_id)
             body = await _body(server, request, body_model)
             messages, tools, sampling, kept = read(session, traced, body)
+            wire.refuse_ignored(body, tools)  # on untraced routes too: the engines have none of these either
             if messages[-1]["role"] == "assistant":
                 raise wire.WireError(400, "the last message is from the assistant; end with a user or tool message "
                                           "(continuing a partial assistant turn is not supported)")

@@ -21,6 +21,12 @@ from instar.agents.transcript import Turn, split_reasoning
 from instar.data.chat import Message
 
 INT32 = 2**31 - 1
+# Request fields (of any of the protocols) that would change what a turn samples or constrain it, which instar
+# does not do: refused unless they ask for nothing, as frameworks send by default. tool_choice "none" forbids tool
+# calls, which instar cannot enforce: it asks for nothing only in a request without tools.
+IGNORED = {"stop": ("", []), "stop_sequences": ([],), "logit_bias": ({},), "frequency_penalty": (0,),
+           "presence_penalty": (0,), "response_format": ({"type": "text"},), "text": ({}, {"format": {"type": "text"}}),
+           "tool_choice": ("auto", {"type": "auto"}, "none", {"type": "none"})}
 
 
 class WireError(Exception):
@@ -38,6 +44,7 @@ class Body(BaseModel):
 class BaseRequest(Body):
     """What every protocol's request has."""
 
+    model_config = ConfigDict(extra="allow")  # the fields instar ignores stay in model_extra, to be checked
     model: str
     stream: bool = False
     temperature: float | None = Field(None, ge=0, le=2)
@@ -113,7 +120,6 @@ class OpenAIRequest(BaseRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32)
     seed: int | None = Field(None, ge=-2**63, lt=2**63)  # what torch and vLLM generators take
     n: int = Field(1, ge=1, le=1)
-    stop: str | list[str] | None = None
 
 
 class ToolUse(Body):
@@ -158,7 +164,16 @@ class AnthropicRequest(BaseRequest):
     system: Content = None
     tools: list[AnthropicTool] | None = None
     top_k: int | None = Field(None, ge=0, le=INT32)
-    stop_sequences: list[str] | None = None
+
+
+def refuse_ignored(body: BaseRequest, tools: list | None) -> None:
+    """A 400 naming the first field of ``IGNORED`` that asks for something."""
+    for name, neutral in IGNORED.items():
+        value = (body.model_extra or {}).get(name)
+        if value is not None and (value not in neutral or tools and value in ("none", {"type": "none"})):
+            raise WireError(400, f"{name}={json.dumps(value):.200} is not supported: a turn is sampled from the "
+                                 "model's own distribution up to its end-of-turn token, as the trainer assumes; "
+                                 f"leave {name} unset")
 
 
 def text_of(content: str | list[Any] | None, where: str = "content") -> str:
@@ -252,16 +267,13 @@ def anthropic_messages(system: Content, messages: list[AnthropicMessage]) -> lis
 def openai_tools(tools: list[OpenAITool] | None) -> list[dict] | None:
     """The schemas as sent, less ``strict``: an API switch for constrained decoding, not part of the tool's
     description (some frameworks always send it), so the same tool renders the same prompt from any client."""
-    if not tools:
-        return None
-    return [{"type": "function", "function": t.function.model_dump(exclude={"strict"})} for t in tools]
+    return [{"type": "function", "function": t.function.model_dump(exclude={"strict"})}
+            for t in tools] if tools else None
 
 
 def anthropic_tools(tools: list[AnthropicTool] | None) -> list[dict] | None:
-    if not tools:
-        return None
     return [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                              "parameters": t.input_schema}} for t in tools]
+                                              "parameters": t.input_schema}} for t in tools] if tools else None
 
 
 def _finish(turn: Turn, calls: str, length: str, stop: str) -> str:
