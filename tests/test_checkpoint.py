@@ -1,9 +1,12 @@
 """Checkpoints in one process: round trip of model, optimizer, RNG and metadata; pruning; that an
 interrupted save never leaves anything `latest` would resume from, and that a damaged checkpoint is
-skipped for the one before it. The sharded multi-rank resume is in test_train_fsdp.py."""
+skipped for the one before it, and that a planted pickle is refused without running. The sharded
+multi-rank resume is in test_train_fsdp.py."""
 
 import os
+import pickle
 import random
+from fractions import Fraction
 
 import pytest
 import torch
@@ -94,7 +97,7 @@ def _three_checkpoints(root):
 
 
 @pytest.mark.parametrize("damage,problem", [
-    (lambda d: (d / "meta.pt").write_bytes(bytes((d / "meta.pt").stat().st_size)), "meta.pt: KeyError"),
+    (lambda d: (d / "meta.pt").write_bytes(bytes((d / "meta.pt").stat().st_size)), "meta.pt: RuntimeError"),
     (lambda d: os.truncate(d / "rng_rank0.pt", 10), "rng_rank0.pt: RuntimeError"),
     (lambda d: os.truncate(d / "__0_0.distcp", 100), "__0_0.distcp: missing or truncated"),
     # killed during a save whose files were renamed into place but never reached the disk
@@ -127,3 +130,35 @@ def test_save_fsyncs_every_file_before_the_rename(tmp_path, monkeypatch):
     tmp = str(tmp_path / "step_1.tmp")
     assert {f"{tmp}/meta.pt", f"{tmp}/rng_rank0.pt"} <= set(synced)  # dcp fsyncs the shards itself
     assert synced[-2:] == [tmp, str(tmp_path)]  # the directory entries, before and after the rename
+
+
+class _Mkdir:
+    """Unpickled, this creates a directory: the proof that a load ran code it was handed."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def test_a_planted_pickle_is_refused_and_never_run(tmp_path):
+    model, opt = _model_and_optimizer(0)
+    for step in (1, 2):
+        checkpoint.save(str(tmp_path / "ckpt"), step, {"net": (model, opt)}, {})
+    planted = tmp_path / "ckpt" / "step_2"
+    for name in ("meta.pt", "rng_rank0.pt"):
+        torch.save({"step": 2, "world_size": 1, "x": _Mkdir(str(tmp_path / f"ran_{name}"))}, planted / name)
+    with pytest.warns(UserWarning, match=r"step_2 \(meta.pt: UnpicklingError\)"):
+        assert checkpoint.latest(str(tmp_path / "ckpt")) == str(tmp_path / "ckpt" / "step_1")
+    with pytest.raises(pickle.UnpicklingError, match="GLOBAL posix.mkdir"):
+        checkpoint.load(str(planted), {"net": (model, opt)})
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_a_meta_that_load_could_not_read_fails_the_save(tmp_path):
+    model, opt = _model_and_optimizer(0)
+    checkpoint.save(str(tmp_path), 1, {"net": (model, opt)}, {})
+    with pytest.raises(pickle.UnpicklingError, match="fractions.Fraction"):
+        checkpoint.save(str(tmp_path), 2, {"net": (model, opt)}, {"extra": {"kl": Fraction(1, 3)}})
+    assert checkpoint.latest(str(tmp_path)) == str(tmp_path / "step_1")

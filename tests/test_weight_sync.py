@@ -1,10 +1,14 @@
 """Weight sync over a dedicated gloo group: the bucketed byte stream round-trips exactly, and after a
-sync the embedded engine samples with the trainer's logprobs."""
+sync the embedded engine samples with the trainer's logprobs; the table travels as JSON, never a pickle."""
 
 import asyncio
+import json
+import os
+import pickle
 import threading
 from functools import partial
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -107,6 +111,50 @@ def test_a_bucket_table_travels_only_when_it_changed(monkeypatch):
     for params, received in zip(syncs, got):
         assert [n for n, _ in received] == ["w", "v"]
         assert all(torch.equal(g, t) for (_, t), (_, g) in zip(params, received))
+
+
+class _Mkdir:
+    """Unpickled, this creates a directory: the proof that the receiver ran code it was sent."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def test_the_table_travels_as_json_and_a_pickle_in_its_place_is_never_unpickled(tmp_path, monkeypatch):
+    from instar.train import weight_sync
+
+    sent: list[bytes] = []
+    broadcast = weight_sync._broadcast
+
+    def recorded(group, tensor):
+        if group.rank == 0:
+            sent.append(tensor.cpu().numpy().tobytes())
+        return broadcast(group, tensor)
+
+    monkeypatch.setattr(weight_sync, "_broadcast", recorded)
+    payload = pickle.dumps(_Mkdir(str(tmp_path / "ran")))
+    port = reserve_port()
+
+    def sender():
+        group = open_sync_group("127.0.0.1", port, 0, 2)
+        send_weights(iter([("w", torch.ones(2, 3)), ("v", torch.arange(3))]), group)
+        # a forged bucket: a pickle where the table goes, then the last-bucket flag
+        recorded(group, torch.tensor([len(payload), 0, 1]))
+        recorded(group, torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    group = open_sync_group("127.0.0.1", port, 1, 2)
+    assert [(n, t.tolist()) for n, t in receive_weights(group)] == [("w", [[1.0] * 3] * 2), ("v", [0, 1, 2])]
+    with pytest.raises(ValueError):  # the bytes are not JSON
+        list(receive_weights(group))
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert json.loads(sent[1]) == [["w", "float32", [2, 3], 0, 24], ["v", "int64", [3], 64, 24]]
+    assert not os.path.exists(tmp_path / "ran")
 
 
 def test_mixed_dtypes_strided_and_cast_tensors_round_trip_twice_through_one_kept_buffer():

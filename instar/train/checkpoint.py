@@ -5,6 +5,9 @@ controller, pending rollouts) and every rank's RNG states.
 Atomic: everything is written into ``step_N.tmp``, fsynced, and renamed to ``step_N`` only when
 complete, so a save killed at any point leaves nothing that ``latest`` would pick up; a checkpoint
 damaged anyway (a disk that lost what it acknowledged) is skipped by ``latest`` for the one before it.
+Our own files are read with ``weights_only=True``: plain data and tensors only, so a planted pickle runs no
+code. DCP's ``.metadata`` and the optimizer's non-tensor values are still unpickled by torch itself: resume
+only from checkpoints of a trusted source.
 Call every function on every trainer rank.
 """
 
@@ -59,7 +62,8 @@ def latest(root: str) -> str | None:
 
 def save(root: str, step: int, models: Stateful, meta: dict[str, Any], max_num: int = 0) -> str:
     """Write checkpoint ``root/step_{step}`` and prune to the newest ``max_num`` (0 keeps all).
-    ``meta`` (rank 0's) must be picklable; it comes back from ``load``."""
+    ``meta`` (rank 0's) must be plain data (dicts, lists, tuples, numbers, strings, tensors: what
+    ``torch.load(weights_only=True)`` reads); it comes back from ``load``."""
     final = os.path.join(root, f"step_{step}")
     tmp = final + ".tmp"
     rank = _rank()
@@ -71,6 +75,7 @@ def save(root: str, step: int, models: Stateful, meta: dict[str, Any], max_num: 
     _save_synced(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))  # dcp fsyncs its own files
     if rank == 0:
         _save_synced({"step": step, "world_size": _world(), **meta}, os.path.join(tmp, "meta.pt"))
+        torch.load(os.path.join(tmp, "meta.pt"), weights_only=True)  # what load could not read fails now
     _barrier()  # every rank's files are in tmp before it becomes visible
     if rank == 0:
         fsync_dir(tmp)
@@ -88,14 +93,14 @@ def load(path: str, models: Stateful) -> dict[str, Any]:
     every tensor whatever the layout that saved it. This rank's RNG states too when the number of
     ranks is the same (else each rank keeps its own: nothing in a training step draws from them
     today, and a rank of another layout has no counterpart). Returns the metadata given to ``save``."""
-    meta = torch.load(os.path.join(path, "meta.pt"), weights_only=False)
+    meta = torch.load(os.path.join(path, "meta.pt"), weights_only=True)
     state = _sharded_state(models)
     dcp.load(state, checkpoint_id=path)
     for name, (model, optimizer) in models.items():
         set_state_dict(model, optimizer, model_state_dict=state[name]["model"], optim_state_dict=state[name]["optim"],
                        options=_TRAINED)
     if meta["world_size"] == _world():
-        _set_rng_state(torch.load(os.path.join(path, f"rng_rank{_rank()}.pt"), weights_only=False))
+        _set_rng_state(torch.load(os.path.join(path, f"rng_rank{_rank()}.pt"), weights_only=True))
     return meta
 
 
@@ -104,9 +109,9 @@ def _problem(path: str) -> str | None:
     shards, whose sizes are checked against the offsets the shard index records."""
     file = "meta.pt"
     try:
-        meta = torch.load(os.path.join(path, file), weights_only=False)
+        meta = torch.load(os.path.join(path, file), weights_only=True)
         for file in [f"rng_rank{r}.pt" for r in range(meta["world_size"])]:
-            torch.load(os.path.join(path, file), weights_only=False)
+            torch.load(os.path.join(path, file), weights_only=True)
         file = ".metadata"
         storage = dcp.FileSystemReader(path).read_metadata().storage_data
     except Exception as e:  # a damaged file surfaces as any of the unpickler's or the OS's errors

@@ -4,17 +4,18 @@ over a dedicated process group (gloo on CPU, NCCL on GPU), never through Ray's o
 The group is rank 0 = the trainer's rank 0, ranks 1..E = engine hosts, built directly from a
 ``TCPStore`` so it is independent of the trainer's own process group. Each bucket travels as a
 header (three int64: the table's byte length, the flat buffer's, and 1 on the last bucket of the sync),
-a pickled table (name, dtype, shape, offset, nbytes per tensor) and one flat byte buffer in which every
-tensor starts at a multiple of ``ALIGN`` bytes. Both ends keep each bucket's table: when it is the same
-as in the last sync (the usual case) its length is 0 and it is not sent, so a model in one bucket takes
-two broadcasts a sync, each a rendezvous of two busy processes. The receiver is a generator the engine host hands
-to ``engine.update_weights(...)``; it must be consumed to the end, since every step is a collective.
+a JSON table (name, dtype, shape, offset, nbytes per tensor: data, never code as a pickle could be) and
+one flat byte buffer in which every tensor starts at a multiple of ``ALIGN`` bytes. Both ends keep each
+bucket's table: when it is the same as in the last sync (the usual case) its length is 0 and it is not
+sent, so a model in one bucket takes two broadcasts a sync, each a rendezvous of two busy processes. The
+receiver is a generator the engine host hands to ``engine.update_weights(...)``; it must be consumed to the
+end, since every step is a collective.
 """
 
 from __future__ import annotations
 
 import itertools
-import pickle
+import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -43,7 +44,7 @@ class SyncGroup:
     broadcasting it; on GPU the caching allocator keeps freed memory anyway, and holding it would
     take it from training."""
     sending: Future | None = None  # the sender's background broadcast (`send_weights`), if any
-    tables: list[list[tuple]] = field(default_factory=list)  # each bucket's table in the last sync, both ends
+    tables: list[list] = field(default_factory=list)  # each bucket's table in the last sync, both ends
 
     def wait_sent(self) -> None:
         """Return once a background broadcast has gone out; raise what it raised."""
@@ -82,11 +83,11 @@ def _buffer(group: SyncGroup, nbytes: int) -> Tensor:
 
 def _send_bucket(group: SyncGroup, index: int, table: list[tuple], flat: Tensor, last: bool) -> None:
     same = index < len(group.tables) and group.tables[index] == table
-    meta = None if same else torch.frombuffer(bytearray(pickle.dumps(table)), dtype=torch.uint8).to(group.device)
+    meta = None if same else torch.frombuffer(bytearray(json.dumps(table), "utf-8"), dtype=torch.uint8)
     header = [0 if meta is None else meta.numel(), flat.numel(), int(last)]
     _broadcast(group, torch.tensor(header, dtype=torch.int64, device=group.device))
     if meta is not None:
-        _broadcast(group, meta)
+        _broadcast(group, meta.to(group.device))
         group.tables[index:index + 1] = [table]
     if flat.numel():
         _broadcast(group, flat)
@@ -173,7 +174,7 @@ def receive_weights(group: SyncGroup, reuse_buffer: bool = False) -> Iterator[tu
         meta_len, flat_len, last = header.tolist()
         if meta_len:
             meta = _broadcast(group, torch.empty(meta_len, dtype=torch.uint8, device=group.device))
-            group.tables[index:index + 1] = [pickle.loads(meta.cpu().numpy().tobytes())]
+            group.tables[index:index + 1] = [json.loads(meta.cpu().numpy().tobytes())]
         if flat_len:
             flat = _broadcast(group, _buffer(group, flat_len)[:flat_len] if reuse_buffer
                               else torch.empty(flat_len, dtype=torch.uint8, device=group.device))
