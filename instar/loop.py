@@ -82,7 +82,6 @@ async def _run(cfg: RLConfig, dataset: Any, reward_fns: Sequence[Callable[..., A
                                        cluster.generation and cluster.generation.set))
         sync, usage = WeightSync(cluster, pool), Usage(cluster.agents, cluster.engines)
         logger = run_dir.MetricsLogger(out, cfg.log, cfg.train.max_steps, step, asdict(cfg))
-        logger.truncate_after(step if step else -1)  # a run resumed at 0 evaluates step 0 again
         if eval_due(cfg, cluster, 0) and step == 0:
             logger.log(0, await evaluate_agents(cluster.agents, cfg, sampling))
         metrics: dict[str, float] = {}

@@ -322,14 +322,11 @@ def _leaves(tree: dict, prefix: str = "") -> typing.Iterator[tuple[str, object]]
 
 def _bool_flags() -> set[str]:
     names: set[str] = set()
-
-    def walk(cls: type) -> None:
-        for f, hint in typing.get_type_hints(cls).items():
+    todo = [cls for cls, _ in COMMANDS.values()]  # config dataclasses, nested sections added as found
+    while todo:
+        for f, hint in typing.get_type_hints(todo.pop()).items():
             if hint is bool:
                 names.add(f)
             elif dataclasses.is_dataclass(hint):
-                walk(hint)
-
-    for cls, _ in COMMANDS.values():
-        walk(cls)
+                todo.append(hint)
     return names

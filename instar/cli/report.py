@@ -20,7 +20,6 @@ CHARTS = (
 )
 # The step split, stacked: generation wait (trainer idle), logprobs, update, weight sync, and the rest.
 SPLIT = ("time/trainer_idle", "time/logprobs", "time/train", "time/weight_sync")
-TIMES = (*SPLIT, "time/step")
 
 
 def write_report(run_dir: str | Path, title: str = "instar run") -> tuple[Path, Path, dict]:
@@ -36,7 +35,7 @@ def write_report(run_dir: str | Path, title: str = "instar run") -> tuple[Path, 
                "eval accuracy after": last.get("eval/accuracy"),
                "greedy accuracy before": first.get("eval_greedy/accuracy"),
                "greedy accuracy after": last.get("eval_greedy/accuracy"),
-               **{f"mean {k} (s)": _mean(train, k) for k in TIMES},
+               **{f"mean {k} (s)": _mean(train, k) for k in (*SPLIT, "time/step")},
                "mean engine idle fraction": _mean(train, "engine/idle_fraction"),
                "mean agent-actor cpu fraction": _mean(train, "agent/cpu_fraction")}
     page = run / "report.html"

@@ -123,11 +123,8 @@ class TrainerGroup:
                                [identity(s) for s in samples] if self.share_prefix else None)
         results = await self._all(method, *[([samples[i] for i in shards[r // group]], *rest)
                                             for r in range(len(self.ranks))])
-        out: list[Tensor] = [torch.empty(0)] * len(samples)
-        for shard, values in zip(shards, results[::group]):
-            for i, v in zip(shard, values):
-                out[i] = v
-        return out
+        out = {i: v for shard, values in zip(shards, results[::group]) for i, v in zip(shard, values)}
+        return [out[i] for i in range(len(samples))]
 
     async def compute_logprobs(self, samples: list[Sample], temperature: float = 1.0,
                                model: str = "policy") -> list[Tensor]:
@@ -155,11 +152,10 @@ class TrainerGroup:
         """Rank 0 joins the weight-sync group; await it together with the engines joining."""
         await self._all("open_weight_sync", (master_addr, master_port, world_size, device))
 
-    def send_weights(self, bucket_mb: float = 256.0, dtype: str | None = None,
-                     background: bool = False) -> Coroutine[Any, Any, dict[str, float]]:
+    def send_weights(self, bucket_mb: float = 256.0, background: bool = False) -> Coroutine[Any, Any, dict[str, float]]:
         """Broadcast the policy to the engines (await together with their receive) for rank 0's stats. Sent
         at once: the trainer's next call runs after it, ``background`` or not."""
-        return _first(self._all("send_weights", (bucket_mb, dtype, background)))
+        return _first(self._all("send_weights", (bucket_mb, background)))
 
     async def save(self, root: str, extra: dict[str, Any] | None = None, max_num: int = 0) -> str:
         return (await self._all("save", (root, extra, max_num)))[0]

@@ -100,6 +100,8 @@ class MetricsLogger:
         self.dir, self.job = Path(output_dir), job
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / ("eval.jsonl" if job == "eval" else "metrics.jsonl")
+        if job != "eval":  # rows past start_step are of steps this run redoes (from 0: step 0's eval too)
+            self.truncate_after(start_step if start_step else -1)
         self.tb = self.wandb = None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -160,6 +162,4 @@ def _json_value(v: Any) -> Any:
     """A metric as JSON can hold it: tensors and numpy scalars as numbers, NaN and inf as null."""
     if hasattr(v, "item"):
         v = v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v
+    return None if isinstance(v, float) and not math.isfinite(v) else v

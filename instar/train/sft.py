@@ -76,15 +76,12 @@ def _sft_rank(rank: int, world: int, port: int, cfg: SFTConfig) -> dict[str, flo
     worker = TrainWorker(cfg.actor, cfg.fsdp, replace(cfg.train, max_steps=total), cpu=cfg.cpu)
     worker.init(rank, world, "127.0.0.1", port)
     ckpt_dir, out = os.path.join(cfg.ckpt.output_dir, "checkpoints"), cfg.ckpt.output_dir
-    start = 0
-    if cfg.ckpt.load_enable and (path := checkpoint.latest(ckpt_dir)):
-        start = worker.load(path)["step"]
+    path = checkpoint.latest(ckpt_dir) if cfg.ckpt.load_enable else None
+    start = worker.load(path)["step"] if path else 0
     held_out = worker.share(held_out) if len(held_out) >= cfg.fsdp.data_size else []
     metrics: dict[str, float] = {}
     logger = MetricsLogger(out, cfg.log, total, start, asdict(cfg), "sft") if rank == 0 else None
     log = logger.log if logger else lambda step, metrics: None
-    if logger:
-        logger.truncate_after(start if start else -1)  # a resumed run redoes the steps after its checkpoint
     if held_out and start == 0:
         log(0, {"eval/loss": eval_loss(worker, held_out)})
     try:

@@ -200,13 +200,12 @@ class TrainWorker:
 
     def _per_sample(self, samples: list[Sample], rows: Callable[[MicroBatch], Tensor]) -> list[Tensor]:
         """``rows(mb)`` (``[B, T]``) of every micro-batch of ``samples``, as one tensor per sample."""
-        out: list[Tensor] = [torch.empty(0)] * len(samples)
+        out: dict[int, Tensor] = {}
         for mb, repeat, _ in self._micro_batches(samples):
             values = rows(mb)
             if not repeat:
-                for i, v in zip(mb.indices, mb.split(values)):
-                    out[i] = v
-        return out
+                out.update(zip(mb.indices, mb.split(values)))
+        return [out[i] for i in range(len(samples))]
 
     # ---- optimizer steps ------------------------------------------------------------------------
 
@@ -224,19 +223,19 @@ class TrainWorker:
         (ratio exactly 1, no extra pass), and only samples used later get a no-grad pass first."""
         updates = updates or [list(range(len(samples)))]
         inputs = inputs or StepInputs()
-        old: list[Tensor | None] = list(inputs.old_logprobs or [None] * len(samples))
+        old: dict[int, Tensor] = dict(enumerate(inputs.old_logprobs or []))
         inputs = replace(inputs, old_logprobs=None)  # set per micro-batch below
         runs = [self._run_rows(update, set(forward_only or ())) for update in updates]
         later = sorted(set().union(*runs[1:]) - set(runs[0]))
         captured: dict[int, Tensor] = {}  # this rank's old logprobs, shared with the others after update 0
-        if later and any(old[i] is None for i in later):
+        if later and any(i not in old for i in later):
             mine = self._share(samples, later)
             captured.update(zip(mine, self.compute_logprobs([samples[i] for i in mine], temperature)))
 
         def loss_of(mb: MicroBatch) -> tuple[Tensor, dict[str, Any]]:
             # the loss reads action tokens only: logits (and their float32 softmax) at those positions
             logp, entropy = self._row_logprobs(self.policy, mb, temperature, mb.valid & mb.inputs.action_mask)
-            if old[mb.indices[0]] is None:  # the first update: its own forward is the old policy
+            if mb.indices[0] not in old:  # the first update: its own forward is the old policy
                 mb.inputs.old_logprobs = logp.detach()
                 captured.update(zip(mb.indices, mb.split(logp)))
             else:
@@ -246,18 +245,16 @@ class TrainWorker:
         def after_first_update() -> None:  # later updates (and epochs) compare against the same old policy
             if len(updates) > 1:
                 for part in all_gather_objects(captured):
-                    for i, lp in part.items():
-                        old[i] = lp
+                    old.update(part)
         return self._updates(self.policy, self.optimizer, self.scheduler, samples, inputs, updates, loss_of, "actor",
                              after_first_update, set(forward_only or ()))
 
     def train_critic(self, samples: list[Sample], loss_fn: ValueLossFn, inputs: StepInputs,
                      updates: list[list[int]] | None = None) -> TrainStats:
         """Critic updates (``inputs.old_values``, ``inputs.returns``), split like `train_policy`."""
-        def loss_of(mb: MicroBatch) -> tuple[Tensor, dict[str, Any]]:
-            return loss_fn(mb.unpack(self._row_values(mb)), mb.inputs)
         return self._updates(self.critic, self.critic_optimizer, self.critic_scheduler, samples, inputs,
-                             updates or [list(range(len(samples)))], loss_of, "critic")
+                             updates or [list(range(len(samples)))],
+                             lambda mb: loss_fn(mb.unpack(self._row_values(mb)), mb.inputs), "critic")
 
     def _run_rows(self, update: list[int], forward_only: Collection[int]) -> list[int]:
         """The rows of ``update`` that run: all, or those with a gradient under ``--train.forward_only_rows false``
@@ -351,15 +348,13 @@ class TrainWorker:
             self.sync_group = weight_sync.open_sync_group(master_addr, master_port, 0, world_size,
                                                           device or self.device)
 
-    def send_weights(self, bucket_mb: float = 256.0, dtype: str | None = None,
-                     background: bool = False) -> dict[str, float]:
+    def send_weights(self, bucket_mb: float = 256.0, background: bool = False) -> dict[str, float]:
         """Broadcast the policy's full weights (HF names) to the engines; collective over trainer ranks.
         Pausing the engines and bumping their version is the caller's side of the protocol.
         ``background``: see `weight_sync.send_weights` (the next call here may start meanwhile)."""
-        cast = getattr(torch, dtype) if dtype else None
         # under LoRA only the adapted layers change: they go merged, and the engines keep the rest
         named = lora.merged_weights(self.policy) if self.actor.lora_rank else self.policy.named_parameters()
-        return weight_sync.send_weights(named, self.sync_group, bucket_mb, dtype=cast, background=background)
+        return weight_sync.send_weights(named, self.sync_group, bucket_mb, background=background)
 
     def save(self, root: str, extra: dict[str, Any] | None = None, max_num: int = 0) -> str:
         meta = {"scheduler": self.scheduler.state_dict(), "policy_step": self.step, "extra": extra or {}}
