@@ -111,14 +111,23 @@ NO_AGENT = ("give one of --train.agent_path (the Python file that defines AgentR
      "StepEnvRunner(YourEnv)` or `AgentRunner = ChatAgentRunner(YourChatAgent)`"),
     (["--actor.model_name_or_path", "/no/such/model"], "--actor.model_name_or_path '/no/such/model' does not exist "
      "and is not a hub model name (like Qwen/Qwen3-0.6B); give an HF checkpoint directory"),
-    (["--actor.model_name_or_path", "Qwen/Qwen3-0.6B"], NO_AGENT),  # a hub name passes; the next problem shows
+    (["--actor.model_name_or_path", "Qwen/Qwen3-0.6B"], NO_AGENT),  # a cached hub name passes offline
+    (["--actor.model_name_or_path", "runs/nope"], "--actor.model_name_or_path 'runs/nope' is not a directory here "
+     "nor a model on the hub (OfflineModeIsEnabled); give an HF checkpoint directory"),
     (["--data.prompt_dataset", "{tmp}/none.jsonl"],
      "--data.prompt_dataset '{tmp}/none.jsonl' does not exist; give a .json, .jsonl, .parquet, .csv file, a "
      "directory of them or a Hugging Face dataset name (like openai/gsm8k)"),
     (["--eval.dataset", "no such file"], "--eval.dataset 'no such file' does not exist; give a .json, .jsonl, "
      ".parquet, .csv file, a directory of them or a Hugging Face dataset name (like openai/gsm8k)"),
 ])
-def test_bad_inputs_fail_rl_in_seconds_with_one_line(flags, message, rl_flags, tmp_path):
+def test_bad_inputs_fail_rl_in_seconds_with_one_line(flags, message, rl_flags, tmp_path, monkeypatch):
+    snapshot = tmp_path / "hub/models--Qwen--Qwen3-0.6B/snapshots/abc"  # the hub's cache, offline
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs/main").write_text("abc")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     code, err = _instar("rl", *rl_flags, *(f.format(tmp=tmp_path) for f in flags))
     assert code == 1
     assert err == f"instar rl: {message.format(tmp=tmp_path)}\n"
@@ -131,3 +140,8 @@ def test_sft_refuses_a_directory_that_holds_a_run(tmp_path):
     assert err == (f"instar sft: --ckpt.output_dir {tmp_path} already holds a run (metrics.jsonl); pass "
                    "--ckpt.load_enable to resume it, --ckpt.overwrite to delete it and start over, or choose "
                    "another --ckpt.output_dir\n")
+
+
+def test_eval_describes_itself():
+    from instar.cli.main import build_parser
+    assert "`instar eval`: accuracy, pass@k and greedy accuracy" in build_parser().format_help()

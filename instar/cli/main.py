@@ -92,9 +92,8 @@ def _check_inputs(cfg: RLConfig, prompts_given: bool = False, reward_fns: Sequen
               "actor.ref_model_name_or_path": cfg.actor.ref_model_name_or_path,
               "critic.model_name_or_path": cfg.critic.model_name_or_path}
     for flag, path in models.items():
-        if path and not os.path.exists(path) and not HUB_NAME.fullmatch(path):
-            raise ConfigError(f"--{flag} {path!r} does not exist and is not a hub model name (like "
-                              "Qwen/Qwen3-0.6B); give an HF checkpoint directory")
+        if path and not os.path.exists(path) and (problem := _hub_problem(path)):
+            raise ConfigError(f"--{flag} {path!r} {problem}; give an HF checkpoint directory")
     prompts = None if prompts_given else cfg.data.prompt_dataset
     sources = {"data.prompt_dataset": prompts, "eval.dataset": cfg.eval.dataset}
     for flag, source in sources.items():
@@ -111,6 +110,18 @@ def _check_inputs(cfg: RLConfig, prompts_given: bool = False, reward_fns: Sequen
     except SyntaxError as e:
         flag = "--train.agent_path" if cfg.train.agent_path else "--train.reward_fns"
         raise ConfigError(f"{flag} {e.filename!r} does not compile: {e.msg} (line {e.lineno})") from None
+
+
+def _hub_problem(name: str) -> str | None:
+    """Why ``name``, not a path here, names no model: None when the hub (or its cache, offline) has it."""
+    import huggingface_hub as hub
+
+    if not HUB_NAME.fullmatch(name):
+        return "does not exist and is not a hub model name (like Qwen/Qwen3-0.6B)"
+    try:
+        hub.try_to_load_from_cache(name, "config.json") or hub.model_info(name, timeout=10)
+    except Exception as e:  # RepositoryNotFoundError, or no network, HF_HUB_OFFLINE: the name cannot be settled
+        return f"is not a directory here nor a model on the hub ({type(e).__name__})"
 
 
 def rl(config: RLConfig | Sequence[str], dataset: typing.Any = None,
@@ -213,9 +224,13 @@ COMMANDS: dict[str, tuple[type, Callable]] = {
 }
 
 
+# `instar eval` reads an RL recipe: RLConfig's flags, a description of its own
+DESCRIPTIONS = {"eval": "`instar eval`: accuracy, pass@k and greedy accuracy of a checkpoint over --eval.dataset."}
+
+
 def command_parser(name: str, cls: type) -> ArgumentParser:
     """The parser of `instar NAME`: the fields of its config dataclass ``cls`` as flags, their docstrings as help."""
-    p = ArgumentParser(prog=f"instar {name}", description=(cls.__doc__ or "").strip())
+    p = ArgumentParser(prog=f"instar {name}", description=DESCRIPTIONS.get(name) or (cls.__doc__ or "").strip())
     p.add_argument("--config", action="config", help="YAML recipe; flags given after it override it")
     p.add_class_arguments(cls, nested_key=None, as_group=False)
     return p
@@ -226,7 +241,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--version", action="version", version=f"instar {__version__}")
     sub = parser.add_subcommands(dest="command")
     for name, (cls, _) in COMMANDS.items():
-        sub.add_subcommand(name, command_parser(name, cls), help=(cls.__doc__ or "").strip().split("\n")[0])
+        sub.add_subcommand(name, p := command_parser(name, cls), help=p.description.split("\n")[0])
     return parser
 
 
