@@ -11,7 +11,7 @@ class FSDPConfig:
     """How the trainer is sharded (FSDP2)."""
 
     num_ranks: int = 1
-    """Trainer ranks (data-parallel FSDP2 shards)."""
+    """Trainer ranks in all: data x context x tensor parallel ranks (--fsdp.cp_size, --fsdp.tp_size), one mesh."""
     offload: Literal["none", "optimizer"] = "none"
     """Offload optimizer state to CPU."""
     mixed_precision: Literal["float32", "bfloat16"] = "float32"
