@@ -137,8 +137,7 @@ def check_layout(fsdp: FSDPConfig, model: Any = None) -> None:
 
 def run_ahead_groups(cfg: RLConfig) -> int:
     """Prompt groups launched but not yet trained at most: the staleness bound, in groups."""
-    r, t = cfg.rollout, cfg.train
-    return r.batch_size if t.force_sync_mode else r.batch_size * (t.async_queue_size + 1)
+    return cfg.rollout.batch_size * (1 if cfg.train.force_sync_mode else cfg.train.async_queue_size + 1)
 
 
 def in_flight_groups(cfg: RLConfig) -> int:

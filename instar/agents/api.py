@@ -60,8 +60,7 @@ class Env:
     ``sampling_params``, ``messages`` (the chat so far), ``turn`` (0-based), and, for
     LLM-as-judge rewards, ``untraced_base_url`` / ``untraced_session_url`` / ``api_key`` / ``model_name``."""
 
-    tools: list[dict] | None = None
-    """Tool schemas for the chat template, used when the prompt record has none."""
+    tools: list[dict] | None = None  # tool schemas for the chat template, used when the prompt record has none
 
     async def reset(self, state: dict) -> dict:
         """Called once before the first turn; may return ``{"observation": text}`` to replace the prompt."""
@@ -94,8 +93,7 @@ class ChatContext:
     max_length: int
     untraced_base_url: str = ""
     untraced_session_url: str = ""
-    metadata: dict[str, Any] = field(default_factory=dict)
-    """The prompt record's other columns (test cases, difficulty, id...)."""
+    metadata: dict[str, Any] = field(default_factory=dict)  # the prompt record's other columns (test cases, id...)
 
 
 class ChatAgent:
@@ -126,10 +124,9 @@ class StepEnvRunner:
         transcript = session.transcript
         tools = task.tools or self.env_class.tools
         state = {"observation_text": _last_user_text(messages), "action_text": "", "label": task.label,
-                 "metadata": task.metadata,
-                 "sampling_params": task.sampling_params, "messages": messages, "turn": 0, "api_key": session.api_key,
-                 "untraced_base_url": session.untraced_base_url, "model_name": session.model_name,
-                 "untraced_session_url": session.untraced_session_url}
+                 "metadata": task.metadata, "sampling_params": task.sampling_params, "messages": messages, "turn": 0,
+                 "api_key": session.api_key, "model_name": session.model_name,
+                 "untraced_base_url": session.untraced_base_url, "untraced_session_url": session.untraced_session_url}
         env = self.env_class()
         try:
             reset = await env.reset(state) or {}
@@ -222,8 +219,7 @@ def import_file(path: str, flag: str) -> Any:
     """The Python file at ``path`` as a module (``flag`` names the option that gave it, for errors)."""
     file = Path(path)
     if not file.is_file():
-        raise AgentLoadError(f"{flag} {path!r} is not a file; give the path of a Python file, or "
-                             f"package.module:Name")
+        raise AgentLoadError(f"{flag} {path!r} is not a file; give the path of a Python file, or package.module:Name")
     name = f"instar_agent_{file.stem}"
     spec = importlib.util.spec_from_file_location(name, file)
     if spec is None or spec.loader is None:

@@ -27,9 +27,7 @@ def _text(observation: Any, where: str) -> str:
 
 class _GymAdapter(Env):
     gym_class: type
-
-    def __init__(self) -> None:
-        self.env: Any = None
+    env: Any = None  # the gym env instance, made in reset
 
     async def reset(self, state: dict) -> dict:
         self.env = await asyncio.to_thread(self.gym_class)

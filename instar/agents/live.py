@@ -65,10 +65,9 @@ class LiveText:
         text = self.text[:cut].rstrip()
         if "</think>" in text:  # the reasoning is complete (split as the finished turn will be)
             return split_reasoning(text)
-        start = text.lstrip()[:len("<think>")]
-        if self.opened or "<think>".startswith(start) or text[:1].isspace():
-            return "", ""
-        return "", text
+        # held while it may still open reasoning, or starts with whitespace (which a tool call's turn strips)
+        held = self.opened or "<think>".startswith(text.lstrip()[:len("<think>")]) or text[:1].isspace()
+        return "", ("" if held else text)
 
     def _send(self, safe: tuple[str, str]) -> list[Delta]:
         deltas = []

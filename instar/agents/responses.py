@@ -60,16 +60,14 @@ def conversation(body: ResponsesRequest, history: list[Message]) -> list[Message
     instructions are not part of it: they are never carried over to the next response."""
     items = [Item(content=body.input)] if isinstance(body.input, str) else body.input
     out = list(history)
-    turn: Message | None = None  # the assistant turn the next reasoning / message / call items belong to
+    turn: Message | None = None  # the assistant turn that the input's reasoning / message / call items extend
     for i, item in enumerate(items):
         if item.type == "function_call_output":
-            turn = None
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": text_of(item.output)})
         elif item.type == "message" and item.role != "assistant":
-            turn = None
             out.append({"role": "system" if item.role == "developer" else item.role, "content": text_of(item.content)})
         else:
-            if turn is None or item.type == "reasoning":
+            if item.type == "reasoning" or not out or out[-1] is not turn:  # a tool or user message closed it
                 turn = {"role": "assistant", "content": ""}
                 out.append(turn)
             if item.type == "reasoning":
@@ -141,39 +139,36 @@ async def events(parts: AsyncIterator[Delta | Turn], model: str, response_id: st
         at = {"item_id": item["id"], "output_index": i}
         if item["type"] == "function_call":
             return event("response.function_call_arguments.delta", **at, delta=text)
-        kind = "output_text" if item["type"] == "message" else "reasoning_text"
-        return event(f"response.{kind}.delta", **at, content_index=0, delta=text, logprobs=[])
+        # a message's part is output_text, a reasoning item's reasoning_text: the events' names
+        return event(f"response.{item['content'][0]['type']}.delta", **at, content_index=0, delta=text, logprobs=[])
 
     def closed(i: int, item: dict) -> list[tuple[str, dict]]:
         at = {"item_id": item["id"], "output_index": i}
         if item["type"] == "function_call":
-            out = [event("response.function_call_arguments.done", **at, name=item["name"],
-                         arguments=item["arguments"])]
+            out = [event("response.function_call_arguments.done", **at, name=item["name"], arguments=item["arguments"])]
         else:
             [part] = item["content"]
-            kind = "output_text" if item["type"] == "message" else "reasoning_text"
-            out = [event(f"response.{kind}.done", **at, content_index=0, text=part["text"], logprobs=[])]
-            if kind == "output_text":
+            out = [event(f"response.{part['type']}.done", **at, content_index=0, text=part["text"], logprobs=[])]
+            if part["type"] == "output_text":
                 out.append(event("response.content_part.done", **at, content_index=0, part=part))
         return [*out, event("response.output_item.done", output_index=i, item=item)]
 
     started = _envelope(model, response_id)
     yield event("response.created", response=started)
     yield event("response.in_progress", response=started)
-    live: list[tuple[str, str]] = []  # (kind, text so far) of the items streamed, in output order
+    live: list[dict] = []  # the items streamed, in output order, with the text sent so far
     async for part in parts:
         if isinstance(part, Turn):
             full = response(part, model, response_id)
             break
-        now = []
-        if not live or live[-1][0] != part.kind:
-            if live:  # the item before is complete
-                now += closed(len(live) - 1, _text_item(live[-1][0], response_id, live[-1][1]))
-            live.append((part.kind, ""))
-            now += opened(len(live) - 1, _text_item(part.kind, response_id, ""))
-        live[-1] = (part.kind, live[-1][1] + part.text)
-        for e in [*now, delta(len(live) - 1, _text_item(part.kind, response_id, ""), part.text)]:
-            yield e
+        item = _text_item(part.kind, response_id, "")
+        if not live or live[-1]["type"] != item["type"]:
+            now = closed(len(live) - 1, live[-1]) if live else []  # the item before is complete
+            for e in now + opened(len(live), item):
+                yield e
+            live.append(item)
+        live[-1]["content"][0]["text"] += part.text
+        yield delta(len(live) - 1, item, part.text)
     for i, item in enumerate(full["output"]):
         whole = item["arguments"] if item["type"] == "function_call" else item["content"][0]["text"]
         now = [*opened(i, item), delta(i, item, whole)] if i >= len(live) else []  # function calls, an empty answer

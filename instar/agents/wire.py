@@ -190,22 +190,20 @@ def content_of(content: str | list[Any] | None, where: str) -> str | list[dict]:
     canonical form (`instar.data.images`: data URLs, which the server decodes off its event loop)."""
     if isinstance(content, str) or not any(isinstance(p, ImageURLPart | ImageBlock) for p in content or []):
         return text_of(content, where)
-    parts = []
-    for k, part in enumerate(content):
-        if isinstance(part, TextPart):
-            parts.append({"type": "text", "text": part.text})
-            continue
-        if isinstance(part, ImageBlock):
-            if part.source.type != "base64":
-                raise WireError(400, f"{where}[{k}]: image sources must be base64; the chat server fetches no URL")
-            url = f"data:{part.source.media_type};base64,{part.source.data}"
-        else:
-            url = part.image_url.url
-        if not url.startswith("data:image/"):
-            raise WireError(400, f"{where}[{k}]: image_url must be a data URL (data:image/png;base64,...); the chat "
-                                 "server fetches no URL")
-        parts.append({"type": "image", "image": url})
-    return parts
+    return [_part(part, f"{where}[{k}]") for k, part in enumerate(content)]
+
+
+def _part(part: TextPart | ImageURLPart | ImageBlock, where: str) -> dict:
+    if isinstance(part, TextPart):
+        return {"type": "text", "text": part.text}
+    if isinstance(part, ImageBlock) and part.source.type != "base64":
+        raise WireError(400, f"{where}: image sources must be base64; the chat server fetches no URL")
+    url = (f"data:{part.source.media_type};base64,{part.source.data}" if isinstance(part, ImageBlock)
+           else part.image_url.url)
+    if not url.startswith("data:image/"):
+        raise WireError(400, f"{where}: image_url must be a data URL (data:image/png;base64,...); the chat server "
+                             "fetches no URL")
+    return {"type": "image", "image": url}
 
 
 def tool_call(call_id: str, name: str, arguments: str | dict, where: str) -> dict:
@@ -226,20 +224,18 @@ def _assistant(content: str | None, calls: list[dict], reasoning: str | None = N
 
 
 def openai_messages(messages: list[OpenAIMessage]) -> list[Message]:
-    out = []
-    for i, m in enumerate(messages):
-        if m.role in ("system", "developer"):
-            out.append({"role": "system", "content": text_of(m.content, f"messages[{i}]")})
-        elif m.role == "user":
-            out.append({"role": "user", "content": content_of(m.content, f"messages[{i}].content")})
-        elif m.role == "assistant":
-            calls = [tool_call(c.id, c.function.name, c.function.arguments, f"messages[{i}]")
-                     for c in m.tool_calls or []]
-            out.append(_assistant(text_of(m.content, f"messages[{i}]"), calls, m.reasoning_content or m.reasoning))
-        else:
-            out.append({"role": "tool", "tool_call_id": m.tool_call_id,
-                        "content": content_of(m.content, f"messages[{i}].content")})
-    return out
+    return [_openai_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+
+
+def _openai_message(m: OpenAIMessage, where: str) -> Message:
+    if m.role in ("system", "developer"):
+        return {"role": "system", "content": text_of(m.content, where)}
+    if m.role == "user":
+        return {"role": "user", "content": content_of(m.content, f"{where}.content")}
+    if m.role == "assistant":
+        calls = [tool_call(c.id, c.function.name, c.function.arguments, where) for c in m.tool_calls or []]
+        return _assistant(text_of(m.content, where), calls, m.reasoning_content or m.reasoning)
+    return {"role": "tool", "tool_call_id": m.tool_call_id, "content": content_of(m.content, f"{where}.content")}
 
 
 def anthropic_messages(system: Content, messages: list[AnthropicMessage]) -> list[Message]:
@@ -346,20 +342,17 @@ async def anthropic_events(parts: AsyncIterator[Delta | Turn], model: str,
             if kind is not None:
                 yield event("content_block_stop", index=index)
             index, kind = index + 1, part.kind
-            block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "reasoning" else {
-                "type": "text", "text": ""}
+            name = "thinking" if kind == "reasoning" else "text"  # the block's type, and its text's key
+            block = {"type": name, name: ""} | ({"signature": ""} if kind == "reasoning" else {})
             yield event("content_block_start", index=index, content_block=block)
-        delta = {"type": "thinking_delta", "thinking": part.text} if kind == "reasoning" else {
-            "type": "text_delta", "text": part.text}
-        yield event("content_block_delta", index=index, delta=delta)
+        yield event("content_block_delta", index=index, delta={"type": f"{name}_delta", name: part.text})
     if kind is not None:
         yield event("content_block_stop", index=index)
-    for block in full["content"][index + 1:]:  # the tool uses
-        index += 1
-        yield event("content_block_start", index=index, content_block=block | {"input": {}})
+    for k, block in enumerate(full["content"][index + 1:], index + 1):  # the tool uses
+        yield event("content_block_start", index=k, content_block=block | {"input": {}})
         partial = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-        yield event("content_block_delta", index=index, delta=partial)
-        yield event("content_block_stop", index=index)
+        yield event("content_block_delta", index=k, delta=partial)
+        yield event("content_block_stop", index=k)
     yield event("message_delta", usage=full["usage"], delta={"stop_reason": full["stop_reason"], "stop_sequence": None})
     yield event("message_stop")
 

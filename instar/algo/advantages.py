@@ -93,10 +93,9 @@ def compute_advantages(cfg: AlgoConfig, x: AdvantageInputs) -> tuple[Tensor, Ten
         raise ValueError(f"estimator {name} produced non-finite advantages; check rewards and logprobs for inf/NaN")
     returns = torch.where(mask, adv + x.values, 0) if est.needs.critic else None  # lambda-return = A + V
     adv = masked_whiten(adv, mask) if cfg.advantage.whiten else adv
-    metrics = {"advantage_mean": masked_mean(adv, mask).item(),
-               "advantage_abs_mean": masked_mean(adv.abs(), mask).item(),
-               "reward_mean": _trajectories(x)[1].float().mean().item()}
-    return adv, returns, metrics
+    return adv, returns, {"advantage_mean": masked_mean(adv, mask).item(),
+                          "advantage_abs_mean": masked_mean(adv.abs(), mask).item(),
+                          "reward_mean": _trajectories(x)[1].float().mean().item()}
 
 
 def _validate(cfg: AlgoConfig, needs: Needs, x: AdvantageInputs) -> None:
@@ -106,9 +105,8 @@ def _validate(cfg: AlgoConfig, needs: Needs, x: AdvantageInputs) -> None:
     for field, t in (("rewards", x.rewards), ("group_index", x.group_index), ("traj_index", x.traj_index)):
         if t is not None and tuple(t.shape) != (mask.shape[0],):
             raise ValueError(f"AdvantageInputs.{field} must be [B={mask.shape[0]}], got shape {tuple(t.shape)}")
-    for field, t in (("old_logprobs", x.old_logprobs), ("ref_logprobs", x.ref_logprobs), ("values", x.values),
-                     ("token_rewards", x.token_rewards)):
-        if t is not None and t.shape != mask.shape:
+    for field in ("old_logprobs", "ref_logprobs", "values", "token_rewards"):
+        if (t := getattr(x, field)) is not None and t.shape != mask.shape:
             raise ValueError(f"AdvantageInputs.{field} must be shaped like action_mask {tuple(mask.shape)}, "
                              f"got {tuple(t.shape)}")
     if not torch.isfinite(x.rewards).all():

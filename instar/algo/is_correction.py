@@ -54,9 +54,8 @@ def is_weights(cfg: AdvantageConfig, old_logprobs: Tensor, rollout_logprobs: Ten
     low, high = cfg.is_correction_threshold
     log_ratio = torch.where(mask, old_logprobs.detach() - rollout_logprobs.detach(), 0)
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    inside = (ratio >= low) & (ratio <= high)
     if cfg.is_correction_level == "token":
-        keep = mask & inside if cfg.is_correction_mode == "mask" else mask
+        keep = mask & (ratio >= low) & (ratio <= high) if cfg.is_correction_mode == "mask" else mask
         weight = {"trunc": ratio.clamp(max=high), "clip": ratio.clamp(low, high), "mask": ratio}[cfg.is_correction_mode]
     else:
         seq_log_ratio = log_ratio.sum(-1)  # compared in log space: a product of many ratios over/underflows

@@ -165,8 +165,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, action_mask:
     as the micro-batch's share of the global token-mean (like `policy_loss`). Use --critic.value_clip."""
     mask = action_mask.bool()
     n = mask.sum() if global_num_tokens is None else global_num_tokens
-    v = torch.where(mask, values, 0)
-    old, ret = (torch.where(mask, t.detach(), 0) for t in (old_values, returns))
+    v, old, ret = (torch.where(mask, t, 0) for t in (values, old_values.detach(), returns.detach()))
     plain, clipped = (v - ret) ** 2, (old + (v - old).clamp(-clip, clip) - ret) ** 2
     loss = torch.where(mask, 0.5 * torch.max(plain, clipped), 0).sum() / n
     return loss, {"value_loss": loss.detach(), "value_clip_ratio": (mask & (clipped > plain)).sum() / n}

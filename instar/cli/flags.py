@@ -28,15 +28,13 @@ def reference() -> str:
                                                   f"`--{old}` = `--{new}`" for old, new in ALIASES.items()) + ".", ""]
     listed: dict[type, str] = {}
     for name, (cls, _) in COMMANDS.items():
+        lines += [f"## instar {name}", ""]
         if cls in listed:  # e.g. `instar eval` reads an RL recipe
-            lines += [f"## instar {name}", "", f"The flags of `instar {listed[cls]}`.", ""]
+            lines += [f"The flags of `instar {listed[cls]}`.", ""]
             continue
         listed[cls] = name
-        lines += [f"## instar {name}", "", (cls.__doc__ or "").strip(), "", "| flag | default | meaning |",
-                  "|---|---|---|"]
-        lines += [f"| `{flag}` | `{default}` | {doc} |"
-                  for flag, default, doc in rows(command_parser(name, cls))]
-        lines.append("")
+        table = [f"| `{flag}` | `{default}` | {doc} |" for flag, default, doc in rows(command_parser(name, cls))]
+        lines += [(cls.__doc__ or "").strip(), "", "| flag | default | meaning |", "|---|---|---|", *table, ""]
     return "\n".join(lines)
 
 

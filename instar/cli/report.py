@@ -20,6 +20,8 @@ CHARTS = (
 )
 # The step split, stacked: generation wait (trainer idle), logprobs, update, weight sync, and the rest.
 SPLIT = ("time/trainer_idle", "time/logprobs", "time/train", "time/weight_sync")
+STYLE = ("body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;margin:1em 0}"
+         "td,th{border:1px solid #ccc;padding:.2em .6em;text-align:right}td:first-child{text-align:left}")
 
 
 def write_report(run_dir: str | Path, title: str = "instar run") -> tuple[Path, Path, dict]:
@@ -39,15 +41,16 @@ def write_report(run_dir: str | Path, title: str = "instar run") -> tuple[Path, 
                "mean engine idle fraction": _mean(train, "engine/idle_fraction"),
                "mean agent-actor cpu fraction": _mean(train, "agent/cpu_fraction")}
     page = run / "report.html"
-    page.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-                    "<style>body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;margin:1em 0}"
-                    "td,th{border:1px solid #ccc;padding:.2em .6em;text-align:right}td:first-child{text-align:left}"
-                    "</style></head>"
-                    f"<body><h1>{html.escape(title)}</h1><img src='{png.name}' alt='training curves'>"
-                    f"<h2>Evaluations</h2>{_table(evals)}<h2>Summary</h2>"
-                    + _table([{"": k, "value": v} for k, v in summary.items()])
-                    + "<p>Per-step metrics: metrics.jsonl</p></body></html>\n")
+    body = (f"<img src='{png.name}' alt='training curves'><h2>Evaluations</h2>{_table(evals)}<h2>Summary</h2>"
+            + _table([{"": k, "value": v} for k, v in summary.items()]) + "<p>Per-step metrics: metrics.jsonl</p>")
+    page.write_text(html_page(title, STYLE, body))
     return png, page, summary
+
+
+def html_page(title: str, style: str, body: str) -> str:
+    """A whole HTML page: ``title`` as its title and first heading, then ``body``."""
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1>{body}</body></html>\n")
 
 
 def charts_for(rows: list[dict]) -> list[str]:
@@ -72,7 +75,7 @@ def _plot(rows: list[dict], png: Path) -> Path:
             points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
             if points:
                 ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, label=key)
-        ax.set(title=name, ylabel=ylabel)
+        ax.set(title=name, xlabel="step", ylabel=ylabel)
         if log:
             ax.set_yscale("symlog", linthresh=1e-6)
     if split:
@@ -83,9 +86,8 @@ def _plot(rows: list[dict], png: Path) -> Path:
         parts = [[sum(p[i:i + w]) / len(p[i:i + w]) for i in range(0, len(p), w)] for p in parts]
         steps = [split[min(i + w - 1, len(split) - 1)]["step"] for i in range(0, len(split), w)]
         ax.stackplot(steps, *parts, labels=["generation wait", "logprobs", "update", "weight sync", "other"])
-        ax.set(title=f"step time split (mean of {w} steps)", ylabel="seconds")
+        ax.set(title=f"step time split (mean of {w} steps)", xlabel="step", ylabel="seconds")
     for ax in axes.flat[:n]:
-        ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     for ax in axes.flat[n:]:

@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+from instar.cli.report import html_page
 from instar.contract import ImageInputs, Sample, Trajectory, read_jsonl
 from instar.data.chat import load_tokenizer
 from instar.data.images import Vision, data_url
@@ -104,9 +105,7 @@ def render(items: list[tuple[str, Trajectory]], decode: Callable[[list[int]], st
         sections.append(f"<section><h2>{head}</h2>{meta}{body}</section>")
     legend = ("<p>grey: context (prompt, template, tool results); shaded: sampled, green = likely, "
               "red = unlikely; hover a token for its id, logprob and policy version.</p>")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{legend}"
-            f"{''.join(sections)}</body></html>\n")
+    return html_page(title, STYLE, legend + "".join(sections))
 
 
 def write_view(path: str | Path, tokenizer_path: str, out: str | Path | None = None, limit: int = 64) -> Path:

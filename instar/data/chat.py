@@ -90,10 +90,8 @@ def continuation_text(tokenizer: Any, history: list[Message], messages: list[Mes
     before = render(tokenizer, history[:-1], tools, generation_prompt=True)
     old = render(tokenizer, history, tools, generation_prompt=False)
     full = render(tokenizer, messages, tools, generation_prompt=True)
-    if not old.startswith(before) or not full.startswith(old):
-        return None
-    end = old.rfind(end_text, len(before))
-    if end < 0:
+    end = old.rfind(end_text, len(before))  # the assistant turn's end-of-turn token
+    if not old.startswith(before) or not full.startswith(old) or end < 0:
         return None
     return full[end + (len(end_text) if ended else 0):]
 

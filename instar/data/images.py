@@ -11,7 +11,6 @@ patch, so the token ids the engine samples after and the trainer trains on hold 
 from __future__ import annotations
 
 import base64
-import binascii
 import io
 import threading
 from pathlib import Path
@@ -43,7 +42,7 @@ def data_url(image: Any, base_dir: str | Path | None = None, where: str = "image
             return _png_url(_open(path.read_bytes(), where))
         try:
             raw = base64.b64decode(image, validate=True)
-        except (binascii.Error, ValueError):
+        except ValueError:  # binascii.Error is a ValueError
             raise ConfigError(f"{where}: {image[:80]!r} is neither a file (looked in {path.parent}) nor base64 "
                               "image data") from None
         return _png_url(_open(raw, where))
@@ -60,7 +59,7 @@ def load_image(url: str, where: str = "image") -> Any:
         raise ConfigError(f"{where}: expected a data URL (data:image/...;base64,...), got {url[:60]!r}")
     try:
         raw = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
+    except ValueError:  # binascii.Error is a ValueError
         raise ConfigError(f"{where}: the data URL's payload is not base64") from None
     return _open(raw, where)
 
@@ -123,8 +122,7 @@ def with_images(text: str, images: list[Any] | None, where: str = "observation")
 def with_markers(content: str | list[dict], images: list[str]) -> list[dict]:
     """A user turn's content with ``images`` (data URLs) at its ``<image>`` markers (geo3k's form), or
     before it when the text has no marker for each."""
-    text = text_of(content)
-    parts = text.split("<image>")
+    parts = text_of(content).split("<image>")
     if len(parts) != len(images) + 1:
         return [image_part(im) for im in images] + (content if isinstance(content, list) else
                                                      [{"type": "text", "text": content}])

@@ -71,9 +71,8 @@ class TinySpec:
             raise ConfigError(f"--head-dim must be >= 32 (vLLM's CPU attention rejects smaller), got {self.head_dim}")
         if self.heads % self.kv_heads:
             raise ConfigError(f"--heads ({self.heads}) must be a multiple of --kv-heads ({self.kv_heads})")
-        if self.vocab_size < 256 + len(SPECIAL_TOKENS) + 16:
-            raise ConfigError(f"--vocab-size must be >= {256 + len(SPECIAL_TOKENS) + 16} "
-                              "(bytes, specials, some merges)")
+        if self.vocab_size < (least := 256 + len(SPECIAL_TOKENS) + 16):
+            raise ConfigError(f"--vocab-size must be >= {least} (bytes, specials, some merges)")
         if self.vlm and self.moe:
             raise ConfigError("--vlm and --moe cannot be combined (the kit builds a dense Qwen3-VL)")
         if self.moe and not 1 <= self.top_k <= self.experts:

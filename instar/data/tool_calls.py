@@ -22,8 +22,7 @@ _MISTRAL_NAMED = re.compile(r"\s*([\w.\-]+)\s*\[ARGS\]\s*")
 class ToolParser:
     name: str
     split: Callable[[str], tuple[str, list[dict]]]
-    starts: tuple[str, ...]
-    """Text that may open a call: a stream holds the turn's text back from the first of them."""
+    starts: tuple[str, ...]  # text that may open a call: a stream holds the turn's text back from the first of them
 
 
 def _call(obj: object, keys: tuple[str, ...] = ("arguments",)) -> dict | None:

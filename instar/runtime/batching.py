@@ -124,9 +124,8 @@ def mini_batches(rows: Rows, cfg: RLConfig, step: int) -> list[list[int]]:
         by_traj[t].append(row)
     out = []
     for epoch in range(cfg.train.max_epochs):
-        order = list(range(n))
-        if k > 1 or epoch > 0:
-            random.Random(f"{cfg.actor.seed}-{step}-{epoch}").shuffle(order)
+        order = list(range(n))  # one mini-batch holds every row in order, however they were shuffled
+        random.Random(f"{cfg.actor.seed}-{step}-{epoch}").shuffle(order)
         bounds = [n * j // k for j in range(k + 1)]
         out += [sorted(r for t in order[a:b] for r in by_traj[t]) for a, b in zip(bounds, bounds[1:])]
     return out
@@ -175,17 +174,16 @@ def rollout_metrics(trajs: list[Trajectory], policy_version: int) -> dict[str, f
     rewards, groups = torch.tensor([t.reward for t in trajs] or [0.0]), defaultdict(set)
     for t in trajs:
         groups[t.group_id].add(t.reward)
-    out = {"reward": rewards.mean().item(), "reward/std": rewards.std(correction=0).item(),
-           "reward/min": rewards.min().item(), "reward/max": rewards.max().item(),
-           "reward/zero_std_groups": sum(len(g) == 1 for g in groups.values()) / max(len(groups), 1),
-           "score": sum(t.outcome for t in trajs) / n, "response_length": sum(actions) / n,
-           "turns_per_trajectory": sum(t.turns for t in trajs) / n,
-           "tool_calls_per_trajectory": sum(t.tool_calls for t in trajs) / n,
-           "truncation_rate": sum(t.truncated for t in trajs) / n,
-           "segments_per_trajectory": sum(len(t.segments) for t in trajs) / n,
-           "staleness_max": float(max(staleness, default=0)), "trajectories": float(len(trajs))}
-    out |= {f"staleness/{k}": c / n for k, c in Counter(staleness).items()}
-    return out | info_metrics(trajs)
+    return {"reward": rewards.mean().item(), "reward/std": rewards.std(correction=0).item(),
+            "reward/min": rewards.min().item(), "reward/max": rewards.max().item(),
+            "reward/zero_std_groups": sum(len(g) == 1 for g in groups.values()) / max(len(groups), 1),
+            "score": sum(t.outcome for t in trajs) / n, "response_length": sum(actions) / n,
+            "turns_per_trajectory": sum(t.turns for t in trajs) / n,
+            "tool_calls_per_trajectory": sum(t.tool_calls for t in trajs) / n,
+            "truncation_rate": sum(t.truncated for t in trajs) / n,
+            "segments_per_trajectory": sum(len(t.segments) for t in trajs) / n,
+            "staleness_max": float(max(staleness, default=0)), "trajectories": float(len(trajs)),
+            **{f"staleness/{k}": c / n for k, c in Counter(staleness).items()}, **info_metrics(trajs)}
 
 
 def info_metrics(trajs: list[Trajectory]) -> dict[str, float]:

@@ -53,7 +53,10 @@ def plan(nodes: list[Node], engines: int, tp: int, ranks: int, layout: Layout = 
     if any(n.gpus for n in nodes):
         return _on_gpus(nodes, engines, tp, ranks, layout)
     if layout == "colocated" or len(nodes) == 1 or not engines:
-        return _shares(nodes[0].node_id, engines, ranks, sync)
+        # everything on one node: in sync mode each side has the cores while it computes
+        both = engines + ranks
+        return Placement("colocated", [Slot(nodes[0].node_id, 0, engines if sync else both)] * engines,
+                         [Slot(nodes[0].node_id, 0, ranks if sync or not engines else both)] * ranks)
     # disaggregated CPU nodes: the trainer on the driver's node, engines round-robin over the others
     others = nodes[1:]
     homes = [others[i % len(others)].node_id for i in range(engines)]
@@ -61,26 +64,18 @@ def plan(nodes: list[Node], engines: int, tp: int, ranks: int, layout: Layout = 
                      [Slot(nodes[0].node_id, 0, ranks)] * ranks)
 
 
-def _shares(node_id: str, engines: int, ranks: int, sync: bool) -> Placement:
-    """Everything on one node: in sync mode each side has the cores while it computes."""
-    both = engines + ranks
-    return Placement("colocated", [Slot(node_id, 0, engines if sync else both)] * engines,
-                     [Slot(node_id, 0, ranks if sync or not engines else both)] * ranks)
-
-
 def _on_gpus(nodes: list[Node], engines: int, tp: int, ranks: int, layout: Layout) -> Placement:
     free = {n.node_id: n.gpus for n in nodes}
-    have = sum(free.values())
+    gpus = [n for n in free for _ in range(free[n])]  # each GPU's node, the driver's first
     need = engines * tp + ranks
-    if layout == "disaggregated" or (layout == "auto" and need <= have):
-        if need > have:
-            raise PlacementError(f"{_needs(engines, tp, ranks)} need {need} GPUs, found {have} "
+    if layout == "disaggregated" or (layout == "auto" and need <= len(gpus)):
+        if need > len(gpus):
+            raise PlacementError(f"{_needs(engines, tp, ranks)} need {need} GPUs, found {len(gpus)} "
                                  "(--ray.placement colocated shares them)")
-        out = Placement("disaggregated", [], [])
-        for _ in range(ranks):  # the trainer first, from the driver's node on: rank 0 hosts its store
-            node = next(n for n in free if free[n] >= 1)
-            free[node] -= 1
-            out.ranks.append(Slot(node, 1, 1))
+        # the trainer first, from the driver's node on: rank 0 hosts its store
+        out = Placement("disaggregated", [], [Slot(gpu, 1, 1) for gpu in gpus[:ranks]])
+        for gpu in gpus[:ranks]:
+            free[gpu] -= 1
         for i in range(engines):  # an engine's tensor-parallel workers share one node
             node = next((n for n in free if free[n] >= tp), None)
             if node is None:
@@ -93,13 +88,12 @@ def _on_gpus(nodes: list[Node], engines: int, tp: int, ranks: int, layout: Layou
     if tp > 1:
         raise PlacementError("--ray.placement colocated shares each GPU between one engine and one trainer rank: "
                              f"it needs --engine.tensor_parallel_size 1, got {tp}")
-    gpus = [n for n in free for _ in range(free[n])]
     used = max(engines if tp else 0, ranks)  # tp 0: an engine that takes no GPU (the embedded one)
     if used > len(gpus):
-        raise PlacementError(f"{_needs(engines, tp, ranks)} need {used} GPUs colocated, found {have}")
+        raise PlacementError(f"{_needs(engines, tp, ranks)} need {used} GPUs colocated, found {len(gpus)}")
     half = 0.5 if engines and tp and ranks else 1
     return Placement("colocated", [Slot(gpus[i % len(gpus)], half if tp else 0, 1) for i in range(engines)],
-                     [Slot(gpus[i], half, 1) for i in range(ranks)])
+                     [Slot(gpu, half, 1) for gpu in gpus[:ranks]])
 
 
 def _needs(engines: int, tp: int, ranks: int) -> str:

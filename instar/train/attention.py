@@ -149,18 +149,13 @@ def _gather_tokens(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return rows.view(*index.shape, t.shape[1], t.shape[3]).transpose(1, 2)
 
 
-def _segment_rows(segments: Segments) -> tuple[list[list[int]], list[list[int]]]:
-    """Each segment's own rows and the rows of its context, in order."""
-    b = segments.bounds
-    own = [list(range(b[k], b[k + 1])) for k in range(len(b) - 1)]
-    return own, [[p for c in ctx for p in own[c]] for ctx in segments.context]
-
-
 @functools.lru_cache(maxsize=4)  # every layer of a forward (and its recompute) asks for the same row
 def kernel_plan(segments: Segments) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each segment's key rows ``[S, Tk]`` (its context's, then its own; zeros past them), its context's and its
     own lengths: the key rows `_shared_attention` gathers, and what a kernel that reads the row in place needs."""
-    own, seen = _segment_rows(segments)
+    b = segments.bounds
+    own = [list(range(b[k], b[k + 1])) for k in range(len(b) - 1)]
+    seen = [[p for c in ctx for p in own[c]] for ctx in segments.context]  # each segment's context rows, in order
     index = torch.zeros(len(own), max(len(s) + len(o) for s, o in zip(seen, own)), dtype=torch.long)
     for k, (s, o) in enumerate(zip(seen, own)):
         index[k, :len(s) + len(o)] = torch.tensor(s + o)
@@ -173,21 +168,17 @@ def _shared_plan(segments: Segments) -> tuple[torch.Tensor, ...] | list[tuple[in
     ``[S, 1, Tq, Tk]`` mask, and where the row's queries are in the flattened ``[S * Tq]`` (padding points at
     position 0; its outputs are dropped). Or, when padding would more than double the work, per segment its
     bounds, key positions and ``[Tq, Tk]`` mask."""
-    own, seen = _segment_rows(segments)
-    tq, tk = max(map(len, own)), max(len(s) + len(o) for s, o in zip(seen, own))
-    causal = torch.ones(tq, tk, dtype=torch.bool).tril()  # own keys: query i sees own keys 0..i
-    if len(own) * tq * tk > 2 * sum(len(o) * (len(s) + len(o)) for s, o in zip(seen, own)):
-        return [(o[0], o[-1] + 1, torch.tensor(s + o), torch.cat([torch.ones(len(o), len(s), dtype=torch.bool),
-                                                                  causal[:len(o), :len(o)]], 1))
-                for s, o in zip(seen, own)]
-    q_index = torch.zeros(len(own), tq, dtype=torch.long)
-    mask = torch.zeros(len(own), 1, tq, tk, dtype=torch.bool)
-    for k, (s, o) in enumerate(zip(seen, own)):
-        q_index[k, :len(o)] = torch.tensor(o)
-        mask[k, 0, :, :len(s)] = True
-        mask[k, 0, :, len(s):] = causal[:, :tk - len(s)]  # padded queries see what the real ones before see
-    valid = torch.arange(tq)[None] < torch.tensor([len(o) for o in own])[:, None]
-    return q_index, kernel_plan(segments)[0], mask, valid.reshape(-1).nonzero()[:, 0]
+    keys, seen, own = kernel_plan(segments)
+    starts = torch.tensor(segments.bounds[:-1])
+    tq, tk = int(own.max()), keys.shape[1]
+    # query i of a segment sees its context whole and its own keys up to i: key j where j <= i + context length
+    if len(own) * tq * tk > 2 * int((own * (seen + own)).sum()):
+        return [(a, a + o, keys[k, :s + o], torch.arange(s + o)[None] <= torch.arange(o)[:, None] + s)
+                for k, (a, s, o) in enumerate(zip(starts.tolist(), seen.tolist(), own.tolist()))]
+    steps = torch.arange(tq)
+    valid = steps[None] < own[:, None]
+    mask = (torch.arange(tk) <= steps[:, None] + seen[:, None, None])[:, None]  # padded queries: as real ones
+    return torch.where(valid, starts[:, None] + steps, 0), keys, mask, valid.reshape(-1).nonzero()[:, 0]
 
 
 @dataclass(frozen=True)

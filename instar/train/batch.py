@@ -279,26 +279,22 @@ def collate(samples: list[Sample], indices: list[int], step: StepInputs | None =
     `ROW_MULTIPLE`); not with images or recorded routes."""
     names = [names[i] for i in indices] if names is not None else list(indices)
     rows = [samples[i] for i in indices]
-    lengths = [len(s.token_ids) for s in rows]
-    T = max(lengths)
+    lengths = torch.tensor([len(s.token_ids) for s in rows])
+    T = int(lengths.max())
     t = torch.arange(T)
-    lengths_t = torch.tensor(lengths)
     recorded = all(s.routed_experts is not None for s in rows)
     seen = any(s.images is not None for s in rows)
     keys = None
     if share and (recorded or seen):  # replayed routes must agree too, and image tokens only share one image
         keys = [_with_routes(s) for s in rows] if recorded else [identity(s) for s in rows]
     layout = row_layout([s.token_ids for s in rows], share, keys=keys)
-    # the position predicting token t is that of token t-1 (t >= 1); padding points at position 0
-    gather = padded([[0] + p[:-1] for p in layout.place], T)
-    mask = padded([s.action_mask for s in rows], T, torch.bool)
     given = {f.name: right_pad([values[i] for i in names], T).to(device)
              for f in fields(StepInputs) if step is not None and (values := getattr(step, f.name)) is not None}
     inputs = LossInputs(
         token_ids=padded([s.token_ids for s in rows], T).to(device),
-        action_mask=mask.to(device),
+        action_mask=padded([s.action_mask for s in rows], T, torch.bool).to(device),
         rollout_logprobs=padded([s.rollout_logprobs for s in rows], T, torch.float32).to(device),
-        lengths=lengths_t.to(device), **given)
+        lengths=lengths.to(device), **given)
     # a shared token's routes are those of the sequence it was taken from (with replay all sharers' agree)
     routes = torch.cat([rows[b].routed_experts[a:z] for b, a, z in layout.sources]).to(device) if recorded else None
     images, rope = _row_images(rows, layout) if seen else (None, None)
@@ -309,8 +305,9 @@ def collate(samples: list[Sample], indices: list[int], step: StepInputs | None =
     return MicroBatch(
         input_ids=padded([tokens], len(tokens)).to(device),
         position_ids=padded([positions], len(positions)).to(device),
-        gather=gather.to(device),
-        valid=((t[None] >= 1) & (t[None] < lengths_t[:, None])).to(device),
+        # the position predicting token t is that of token t-1 (t >= 1); padding points at position 0
+        gather=padded([[0] + p[:-1] for p in layout.place], T).to(device),
+        valid=((t[None] >= 1) & (t[None] < lengths[:, None])).to(device),
         inputs=inputs,
         indices=names,
         segments=segments,
@@ -367,8 +364,5 @@ def padded(seqs: list[list], length: int, dtype: torch.dtype = torch.int64) -> T
 def right_pad(seqs: list[Tensor], length: int | None = None) -> Tensor:
     """1-D tensors as one ``[B, length]`` tensor of their dtype, zero-filled on the right (``length``
     defaults to the longest)."""
-    length = max(len(s) for s in seqs) if length is None else length
-    out = torch.zeros((len(seqs), length), dtype=seqs[0].dtype)
-    for b, s in enumerate(seqs):
-        out[b, : len(s)] = s
-    return out
+    out = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
+    return out if length is None else torch.nn.functional.pad(out, (0, length - out.shape[1]))

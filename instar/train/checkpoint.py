@@ -194,9 +194,8 @@ def export_hf(model: nn.Module, out_dir: str, source: str, merged: bool = False)
         tmp = out_dir.rstrip("/") + ".tmp"
         if hasattr(model, "instar_lora") and not merged:
             lora.save_adapter(full, tmp, source, model)
-        else:
-            model.save_pretrained(tmp, state_dict=lora.merged_state(full, model) if hasattr(model, "instar_lora")
-                                  else full)
+        else:  # a model without adapters is its own merged state
+            model.save_pretrained(tmp, state_dict=lora.merged_state(full, model))
         load_tokenizer(source).save_pretrained(tmp)
         processor = os.path.join(source, "preprocessor_config.json")
         if os.path.isfile(processor):  # a vision-language model's image processor

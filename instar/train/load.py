@@ -29,7 +29,7 @@ from instar.config import ActorConfig, CpuConfig, FSDPConfig
 from instar.train import lora
 from instar.train.attention import registered
 from instar.train.model import DTYPES, ValueModel, auto_model, load_model
-from instar.train.parallel import Layout, parallelize
+from instar.train.parallel import Layout, device_type, parallelize
 
 Index = tuple[slice | torch.Tensor, ...]
 """Per dim of a tensor, the global positions a rank holds: a range, or (strided layouts) a list."""
@@ -102,8 +102,8 @@ def materialize(model: nn.Module, path: str, device: str | torch.device = "cpu",
     done: set[int] = set()
     with torch.no_grad():
         for name, tensor in hf.state_dict(keep_vars=True).items():
+            local, index = local_index(tensor)
             if lora.is_adapter(name):
-                local, index = local_index(tensor)
                 local.copy_(_select(adapters(name, tensor.shape), index))
                 continue
             name = lora.base_name(name)
@@ -112,7 +112,6 @@ def materialize(model: nn.Module, path: str, device: str | torch.device = "cpu",
             if name not in sources:
                 raise ValueError(f"{name} is not in the checkpoint at {path}; check that its safetensors "
                                  "files match its config.json")
-            local, index = local_index(tensor)
             data = sources[name].read(index, stats)
             if data.shape != local.shape:
                 raise ValueError(f"{name}: the checkpoint gives {tuple(data.shape)} for this rank's slice "
@@ -288,7 +287,7 @@ def checkpoint_sources(hf: nn.Module, path: str) -> dict[str, Source]:
     return sources
 
 
-def load_sharded(path: str, actor: ActorConfig, fsdp: FSDPConfig, layout: Layout, cpu: CpuConfig, device: str,
+def load_sharded(path: str, actor: ActorConfig, fsdp: FSDPConfig, layout: Layout, cpu: CpuConfig,
                  prepare: Callable[[nn.Module], Any] | None = None, value_model: bool = False,
                  lora_adapters: bool = False) -> nn.Module:
     """A trainer rank's model (``value_model``: the critic; ``lora_adapters``: the policy with --actor.lora_*
@@ -312,6 +311,6 @@ def load_sharded(path: str, actor: ActorConfig, fsdp: FSDPConfig, layout: Layout
     if attention is not None and attention.prepare is not None:
         attention.prepare(model, cpu)
     if any(p.is_meta for p in model.parameters()):  # FSDP's CPU offload keeps parameters on the host
-        materialize(model, path, "cpu" if fsdp.offload == "optimizer" else device, device,
+        materialize(model, path, "cpu" if fsdp.offload == "optimizer" else device_type(), device_type(),
                     lora.initial_adapters(actor) if lora_adapters else None)
     return model

@@ -133,7 +133,8 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
 
 
 def merged_state(state: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
-    """A whole-model state dict of the LoRA ``model`` as the plain HF model's, adapters merged."""
+    """A whole-model state dict of the LoRA ``model`` as the plain HF model's, adapters merged (a model without
+    adapters: its own state)."""
     out = {base_name(k): v for k, v in state.items() if not is_adapter(k)}
     for prefix, module in _adapted(model):
         a, b = (state[f"{prefix}.lora_{x}.{ADAPTER}.weight"] for x in "AB")

@@ -39,11 +39,10 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     `reserve_port`."""
     if dist.is_initialized():
         return
+    backend = "gloo"
     if device_type() == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
         backend = "cpu:gloo,cuda:nccl"
-    else:
-        backend = "gloo"
     timeout = timedelta(minutes=30)
     dist.init_process_group(backend, store=open_store(master_addr, master_port, world_size, timeout), rank=rank,
                             world_size=world_size, timeout=timeout)
@@ -56,40 +55,34 @@ class Layout:
     mesh: DeviceMesh  # ("dp", "ep", "cp", "tp")
 
     def __post_init__(self) -> None:
-        # read once: the worker asks for these in every micro-batch, and slicing a mesh is not free
+        # by dimension name, read once: the worker asks for these in every micro-batch, and slicing a mesh is not free
         names = self.mesh.mesh_dim_names
-        self._sizes = dict(zip(names, self.mesh.shape))
-        self._ranks = dict(zip(names, self.mesh.get_coordinate()))
-
-    def size(self, dim: str) -> int:
-        return self._sizes[dim]
-
-    def rank(self, dim: str) -> int:
-        return self._ranks[dim]
+        self.size: dict[str, int] = dict(zip(names, self.mesh.shape))
+        self.rank: dict[str, int] = dict(zip(names, self.mesh.get_coordinate()))
 
     @property
     def data_size(self) -> int:
         """Ranks that see different samples (dp x ep)."""
-        return self.size("dp") * self.size("ep")
+        return self.size["dp"] * self.size["ep"]
 
     @property
     def data_rank(self) -> int:
-        return self.rank("dp") * self.size("ep") + self.rank("ep")
+        return self.rank["dp"] * self.size["ep"] + self.rank["ep"]
 
     @property
     def shard_size(self) -> int:
         """The ranks FSDP shards (and averages gradients) over: dp x ep x cp."""
-        return self.data_size * self.size("cp")
+        return self.data_size * self.size["cp"]
 
     @property
     def lead(self) -> bool:
         """The first rank of its cp x tp group: counts what the group computed together once."""
-        return self.rank("cp") == 0 and self.rank("tp") == 0
+        return self.rank["cp"] == 0 and self.rank["tp"] == 0
 
     def fsdp_mesh(self, dims: tuple[str, ...] = ("dp", "ep", "cp")) -> DeviceMesh:
         """``dims`` flattened into the 1-D mesh FSDP shards over."""
-        if len([d for d in dims if self.size(d) > 1]) <= 1:  # nothing to flatten: the one dimension with ranks
-            return self.mesh[next((d for d in dims if self.size(d) > 1), dims[0])]
+        if len([d for d in dims if self.size[d] > 1]) <= 1:  # nothing to flatten: the one dimension with ranks
+            return self.mesh[next((d for d in dims if self.size[d] > 1), dims[0])]
         return self.mesh[dims]._flatten("_".join(dims))
 
 
@@ -111,14 +104,14 @@ def parallelize(model: nn.Module, layout: Layout, fsdp: FSDPConfig) -> nn.Module
     check_layout(fsdp, model.config)
     if fsdp.offload == "none" and not any(p.is_meta for p in model.parameters()):  # meta: materialised later
         model.to(device_type())
-    if layout.size("tp") > 1:
+    if layout.size["tp"] > 1:
         apply_tensor_parallel(model, layout.mesh["tp"])
     expert_mesh = None
-    if layout.size("ep") > 1:
+    if layout.size["ep"] > 1:
         apply_expert_parallel(model, layout.mesh["ep"])
         expert_mesh = layout.fsdp_mesh(("dp", "cp"))  # the data ranks that hold the same experts
-    if layout.size("cp") > 1:
-        apply_context_parallel(model, layout.size("cp"), fsdp.attn_implementation)
+    if layout.size["cp"] > 1:
+        apply_context_parallel(model, layout.size["cp"], fsdp.attn_implementation)
     if fsdp.activation_checkpointing:
         enable_activation_checkpointing(model)
     if fsdp.compile:
