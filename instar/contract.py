@@ -51,6 +51,13 @@ class SamplingParams:
     def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
 
+    def derived(self, *parts: object) -> SamplingParams:
+        """With the seed derived from this seed and ``parts`` (the same in every process); unseeded stays unseeded."""
+        if self.seed is None:
+            return self
+        digest = hashlib.blake2b(repr((self.seed, *parts)).encode(), digest_size=8).digest()
+        return self.replace(seed=int.from_bytes(digest) >> 1)  # < 2**63, what torch and vLLM take
+
 
 @dataclass
 class Generation:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -22,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from instar.algo import KLController
-from instar.checks import check
-from instar.config import ConfigError, RLConfig
+from instar.config import RLConfig
 from instar.contract import SamplingParams, Trajectory, write_jsonl
 from instar.data.chat import load_tokenizer
 from instar.data.prompts import PromptStream, drop_overlong, load_prompts
@@ -38,18 +39,15 @@ from instar.train.batch import StepInputs
 
 def run(cfg: RLConfig, dataset: Any = None, reward_fns: Sequence[Callable[..., Any]] = ()) -> dict[str, float]:
     """Train until --train.max_steps; returns the last step's metrics. ``dataset``: prompt records given from
-    Python (`instar.rl`) instead of --data.prompt_dataset; ``reward_fns``: reward functions as callables."""
-    check(cfg)
+    Python (`instar.rl`) instead of --data.prompt_dataset; ``reward_fns``: reward functions as callables.
+    The settings are checked by the caller (`instar.rl`, before Ray is imported: `instar.checks.check`)."""
     return asyncio.run(_run(cfg, dataset, reward_fns))
 
 
 def evaluate(cfg: RLConfig) -> dict[str, float]:
-    """`instar eval`: --eval.dataset through the agent with --actor.model_name_or_path; no training. The
-    figures are also appended to --ckpt.output_dir/eval.jsonl (and TensorBoard / W&B when asked)."""
-    if not cfg.eval.dataset:
-        raise ConfigError("--eval.dataset is required: the prompts (with labels) to evaluate on")
-    if not (cfg.train.agent_path or cfg.train.reward_fns):
-        raise ConfigError("--train.agent_path or --train.reward_fns is required: what scores each answer")
+    """`instar eval`: --eval.dataset through the agent with --actor.model_name_or_path; no training (the settings
+    are checked by the caller, `instar.evaluate`). The figures are also appended to --ckpt.output_dir/eval.jsonl
+    (and TensorBoard / W&B when asked)."""
 
     async def go() -> dict[str, float]:
         async with Cluster(cfg, train=False) as cluster:
@@ -63,7 +61,8 @@ def evaluate(cfg: RLConfig) -> dict[str, float]:
 
 def sampling_params(cfg: RLConfig) -> SamplingParams:
     r = cfg.rollout
-    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=cfg.data.max_new_tokens)
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=cfg.data.max_new_tokens,
+                          seed=cfg.actor.seed)
 
 
 async def _run(cfg: RLConfig, dataset: Any, reward_fns: Sequence[Callable[..., Any]]) -> dict[str, float]:
@@ -81,6 +80,7 @@ async def _run(cfg: RLConfig, dataset: Any, reward_fns: Sequence[Callable[..., A
                       else RolloutPool(cluster.agents, stream, cfg, sampling, pool_state,
                                        cluster.generation and cluster.generation.set))
         sync, usage = WeightSync(cluster, pool), Usage(cluster.agents, cluster.engines)
+        stop = _on_sigterm()
         logger = run_dir.MetricsLogger(out, cfg.log, cfg.train.max_steps, step, asdict(cfg))
         if eval_due(cfg, cluster, 0) and step == 0:
             logger.log(0, await evaluate_agents(cluster.agents, cfg, sampling))
@@ -118,7 +118,10 @@ async def _run(cfg: RLConfig, dataset: Any, reward_fns: Sequence[Callable[..., A
             if eval_due(cfg, cluster, step):
                 metrics |= await evaluate_agents(cluster.agents, cfg, sampling, step)
             logger.log(step, metrics)
-            await save_due(cfg, cluster, step, stream, kl, pool)
+            await save_due(cfg, cluster, step, stream, kl, pool, now=stop.is_set())
+            if stop.is_set():
+                print(f"instar: SIGTERM: stopped after step {step}, saved; resume with --ckpt.load_enable true")
+                raise SystemExit(128 + signal.SIGTERM)
         if cfg.eval.dataset and cluster.agents and not eval_due(cfg, cluster, step):  # the final eval, unless just done
             logger.log(step, metrics | await evaluate_agents(cluster.agents, cfg, sampling, step))
         await cluster.trainer.export_hf(str(out / "hf"))
@@ -250,12 +253,21 @@ def dump(cfg: RLConfig, step: int, trajectories: list[Trajectory]) -> None:
         write_jsonl(f"{cfg.train.rollout_dump_dir}/step_{step:06d}.jsonl", trajectories)
 
 
+def _on_sigterm() -> asyncio.Event:
+    """Set by a SIGTERM (a preemption): the loop then saves a checkpoint after its step and exits with 143. Only a
+    loop on the main thread can take the signal (`instar.rl` on a thread of its own leaves it as it is)."""
+    stop = asyncio.Event()
+    if threading.current_thread() is threading.main_thread():  # after ray.init, which sets a handler of its own
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    return stop
+
+
 async def save_due(cfg: RLConfig, cluster: Cluster, step: int, stream: PromptStream, kl: KLController,
-                   pool: Pool) -> None:
-    """The checkpoint due after ``step`` (every --ckpt.save_steps, and the last), and the HF export (every
+                   pool: Pool, now: bool = False) -> None:
+    """The checkpoint due after ``step`` (every --ckpt.save_steps, the last, and ``now``), and the HF export (every
     --ckpt.hf_save_steps)."""
     out = Path(cfg.ckpt.output_dir)
-    if (cfg.ckpt.save_steps and step % cfg.ckpt.save_steps == 0) or step == cfg.train.max_steps:
+    if now or (cfg.ckpt.save_steps and step % cfg.ckpt.save_steps == 0) or step == cfg.train.max_steps:
         ledger = out / "ledger.jsonl"
         extra = {"step": step, "stream": stream.state_dict(), "kl": kl.state_dict(), "pool": pool.state().to_json(),
                  "ledger_lines": len(ledger.read_text().splitlines()) if ledger.exists() else 0}

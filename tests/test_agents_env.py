@@ -130,6 +130,12 @@ class Slow(Env):
         await asyncio.sleep(60)
 
 
+class TakesASecond(Env):
+    async def step(self, state):
+        await asyncio.sleep(1.0)
+        return Result(reward=1.0)
+
+
 class RaisesAtOnce(ChatAgent):
     async def run(self, ctx):
         raise KeyError("before any call")
@@ -179,3 +185,19 @@ async def test_on_agent_error_keep_trains_what_was_sampled_with_the_given_reward
     [seg] = traj.segments
     assert sum(seg.action_mask) == len(encode(scripted.tokenizer, "The answer is 5.")) + 1
     assert host.metrics() == {"agent/finished": 1.0, "agent/dropped_invalid": 2.0, "agent/kept_error_ValueError": 1.0}
+
+
+@pytest.mark.asyncio
+async def test_time_the_engines_hold_requests_for_a_weight_sync_is_not_the_agents(scripted):
+    """--train.agent_timeout stops while the engines hold requests behind a weight sync (`AgentHost.hold`, told by
+    the driver): a rollout that ran 1 s, 0.8 s of it held, is within 0.5 s; the same without the hold is not."""
+    async with hosting(scripted, StepEnvRunner(TakesASecond), agent_timeout=0.5) as (host, _):
+        assert await host.rollout(task()) is None
+        rollout = asyncio.ensure_future(host.rollout(task()))
+        await asyncio.sleep(0.1)
+        host.hold(True)
+        await asyncio.sleep(0.8)
+        host.hold(False)
+        assert (await rollout).reward == 1.0
+    assert host.metrics() == {"agent/finished": 1.0, "agent/dropped_timeout": 1.0}
+    assert 0.75 < host.held_s < 1.5

@@ -96,8 +96,9 @@ async def test_traced_routes_refuse_sampling_that_differs_from_the_sessions_untr
         r = await http.post(f"/u/{session.id}/v1/messages", json={
             "model": "tiny", "max_tokens": 8, "messages": [USER], "temperature": 0.2, "top_k": 5})
         assert r.status_code == 200
+    # a turn samples from a seed derived from the request's and the turn's index (`SamplingParams.derived`)
     assert [(p.temperature, p.top_p, p.top_k, p.max_tokens, p.seed) for p in engine.params] == [
-        (1.0, 1.0, -1, 5, 3), (0.2, 1.0, 5, 8, None)]
+        (1.0, 1.0, -1, 5, SamplingParams(seed=3).derived(0).seed), (0.2, 1.0, 5, 8, None)]
 
 
 @pytest.mark.asyncio

@@ -18,7 +18,7 @@ from instar.data.tool_calls import parser_named
 from instar.engines import EmbeddedEngine
 from instar.engines.protocol import Sampled
 
-SEEDED = SamplingParams(temperature=1.0, max_tokens=120, seed=40)
+SEEDED = SamplingParams(temperature=1.0, max_tokens=120, seed=2)
 PROMPT = [{"role": "user", "content": "Write a long story."}]
 
 

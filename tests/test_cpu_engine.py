@@ -139,38 +139,3 @@ def test_a_corrupt_cached_build_is_built_again(dense, tmp_path, monkeypatch):
     builds[0].write_bytes(b"not a package")
     assert aot_layers(dense) is not None
     assert builds[0].stat().st_size > 1000  # built again in its place
-
-
-def test_a_group_reads_its_shared_prompt_from_one_slot_exactly(dense, monkeypatch):
-    """Samples of one prompt hold copies of its keys; a decode step reads them from one row's slot (the kernel's
-    `shared`): the same tokens and logprobs, to the bit, as each reading its own copy, through a weight update
-    (after which each row recomputes its prompt apart and reads its own again)."""
-    from instar.engines import embedded
-    prompts = [PROMPTS[1]] * 4 + [PROMPTS[3]] * 3 + [PROMPTS[0]]
-    new_model = perturbed(dense)
-    runs, reads, original = [], [], embedded.shared_prompts
-
-    def counted(group):
-        reads.append(original(group))
-        return reads[-1]
-
-    async def body(engine):
-        params = [SamplingParams(temperature=1.0, max_tokens=10, seed=i) for i in range(len(prompts))]
-        first = await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
-        turns = [asyncio.ensure_future(engine.generate(p, s)) for p, s in zip(prompts, params)]
-        # three tokens into the second batch; sleep(0) takes a turn after every engine step (the scheduler yields the
-        # same way), so both runs pause at the same step: a timed poll let a fast engine run on a varying number
-        while engine.stats["sampled_tokens"] < 8 * 10 + 8 * 3:
-            await asyncio.sleep(0)
-        await engine.pause("keep")
-        await engine.update_weights(((n, t.detach()) for n, t in new_model.named_parameters()), 1)
-        await engine.resume()
-        return first + list(await asyncio.gather(*turns))
-
-    for share in (True, False):
-        monkeypatch.setattr(embedded, "shared_prompts", counted if share else lambda group: None)
-        runs.append([(g.token_ids, g.logprobs) for g in accelerated(dense, body)])
-    sources = [{slot for slot, n in r if n} for r in reads if r is not None]
-    assert sources and all(len(s) == 2 for s in sources)  # the two groups, each read from one of its slots
-    assert reads[-1] is None  # after the update: no shared reads
-    assert runs[0] == runs[1]

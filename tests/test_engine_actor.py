@@ -2,6 +2,7 @@
 back each to its caller, equal to the engine's own answers; a caller that goes away frees its request."""
 
 import asyncio
+import concurrent.futures
 import threading
 
 import pytest
@@ -60,8 +61,8 @@ def _bare_actor(engine) -> EngineActor:
     """The class behind the Ray actor, without Ray, over ``engine`` on a loop of its own thread."""
     actor = object.__new__(EngineActor.__ray_actor_class__)
     actor.engine, actor.requests, actor.stale = engine, {}, False
-    actor.weights_ready = asyncio.Event()
-    actor.weights_ready.set()
+    actor.weights_ready = concurrent.futures.Future()
+    actor.weights_ready.set_result(None)
     actor.loop = asyncio.new_event_loop()
     threading.Thread(target=actor.loop.run_forever, daemon=True).start()
     return actor
@@ -141,3 +142,44 @@ def test_requests_after_prepare_sync_wait_for_the_announced_weights():
     assert calls[:4] == ["generate before", "pause drain", "receive 3", "resume"]
     assert sorted(calls[4:]) == ["generate after", "generate many"]
     assert after == "after" and many == [("k", "many")]
+
+
+@pytest.mark.slow
+def test_a_flood_of_held_requests_leaves_the_weight_sync_its_own_slots(ray_cluster, tiny_model_dir):
+    """More requests held behind an announced sync than the actor has request slots: the control calls (load, abort,
+    the sync itself) run in a concurrency group of their own, so the sync runs; the held requests then run on the new
+    weights, and the one aborted while held never runs."""
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    from instar.train.launch import reserve_port
+    from instar.train.weight_sync import open_sync_group, send_weights
+
+    few_slots = ray.remote(concurrency_groups={"requests": 2})(EngineActor.__ray_actor_class__)
+    actor = few_slots.options(max_concurrency=4).remote(str(tiny_model_dir), "embedded", EngineConfig())
+    model, port = AutoModelForCausalLM.from_pretrained(tiny_model_dir), reserve_port()
+
+    async def answers(call) -> list:
+        return [item async for ref in call for item in await ref]
+
+    async def main():
+        joined = actor.join_weight_group.remote("127.0.0.1", port, 1, 2)
+        group = await asyncio.to_thread(open_sync_group, "127.0.0.1", port, 0, 2, timeout_s=60)
+        await joined
+        assert await actor.prepare_sync.remote() is False
+        first = asyncio.ensure_future(answers(actor.generate_many.remote([("k0", PROMPTS[0], _params(0), None, None)])))
+        await asyncio.sleep(0.5)  # k0 holds a slot
+        rest = [asyncio.ensure_future(answers(actor.generate_many.remote([(f"k{i}", PROMPTS[i % 4], _params(i), None,
+                                                                             None)]))) for i in range(1, 6)]
+        await asyncio.sleep(0.5)  # k1 holds the other slot; k2-k5 wait for one
+        actor.abort.remote("k0")
+        assert (await asyncio.wait_for(actor.load.remote(), 30)).total == 0
+        syncing = actor.sync_weights.remote(1, "keep")
+        await asyncio.to_thread(send_weights, model.named_parameters(), group)
+        await asyncio.wait_for(syncing, 60)
+        return await first, await asyncio.wait_for(asyncio.gather(*rest), 60)
+
+    first, rest = asyncio.run(main())
+    assert first == []
+    assert [key for [(key, _)] in rest] == ["k1", "k2", "k3", "k4", "k5"]
+    assert all(set(gen.versions) == {1} for [(_, gen)] in rest)

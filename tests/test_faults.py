@@ -2,13 +2,17 @@
 again and a restarted engine gets the policy's weights before it serves, so the run finishes; a dead
 trainer rank stops the run at once, naming the rank and the checkpoint to resume from."""
 
+import os
+import signal
 import time
 
 import pytest
+import ray
 from helpers.loop import ROOT, kill_when, logged, make_cfg, rows
 
 from instar.contract import read_jsonl
 from instar.loop import run
+from instar.runtime.trainer_group import TrainerGroup
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +44,34 @@ def test_a_killed_engine_serves_again_only_with_the_policys_weights(tmp_path, ti
     versions = {v for t in third for s in t.segments for v, m in zip(s.versions, s.action_mask) if m}
     assert len(third) == 8 and versions == {2}
     assert abs(metrics[2]["actor/vllm_kl"]) < 1e-3, metrics  # every figure of the run, to tell which side was off
+
+
+def test_an_engine_killed_in_a_weight_sync_is_restarted_and_the_sync_done_again(tmp_path, tiny_model_dir, prompts,
+                                                                                clusters, monkeypatch):
+    """An engine dies in step 1's weight sync (killed once the sync is announced, as the trainer starts sending): the
+    trainer and the other engine leave the broken broadcast within seconds, not at the group's 600 s timeout; Ray
+    restarts the engine, all join a new group and the sync is done again. Step 2 samples the policy of step 1."""
+    cfg = make_cfg(tmp_path, tiny_model_dir, prompts, **{
+        "train.force_sync_mode": True, "engine.num_engines": 2, "train.rollout_dump_dir": str(tmp_path / "dump")})
+    send, killed = TrainerGroup.send_weights, []
+
+    def killing_first(self, *args, **kwargs):
+        if not killed:  # SIGKILL: the engine runs no more of the sync (Ray's kill may land after a short sync ends)
+            os.kill(ray.get(clusters[0].engines[-1].__ray_call__.remote(lambda _: os.getpid())), signal.SIGKILL)
+            killed.append(time.monotonic())
+        return send(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrainerGroup, "send_weights", killing_first)
+    run(cfg)
+    metrics = rows(tmp_path / "run/metrics.jsonl")
+    assert killed and [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["faults/engine_restarts"] for m in metrics] == [1, 1, 1]
+    print(f"step 1's weight sync, an engine killed in it: {metrics[0]['weight_sync/total_s']:.1f} s")
+    assert metrics[0]["weight_sync/total_s"] < 60
+    second = read_jsonl(str(tmp_path / "dump/step_000002.jsonl"))
+    versions = {v for t in second for s in t.segments for v, m in zip(s.versions, s.action_mask) if m}
+    assert len(second) == 8 and versions == {1}
+    assert abs(metrics[1]["actor/vllm_kl"]) < 1e-3, metrics
 
 
 def test_a_killed_trainer_rank_stops_the_run_within_a_minute(tmp_path, tiny_model_dir, prompts, clusters):

@@ -5,10 +5,13 @@ import json
 import re
 
 import pytest
+import torch
 from helpers.loop import ROOT, make_cfg, rows
+from safetensors.torch import load_file
 
 from instar.cli.main import main
 from instar.cli.view import write_view
+from instar.config import AdvantageConfig
 from instar.contract import read_jsonl
 from instar.loop import run
 
@@ -121,3 +124,26 @@ def test_eval_command_scores_every_prompt_without_a_trainer(tmp_path, tiny_model
     assert page.count("<section>") == 60 and page.count("rollout eval_greedy-") == 20
     with pytest.raises(SystemExit, match="--eval.dataset is required"):
         main(["eval", "--actor.model_name_or_path", str(tiny_model_dir)])
+
+
+def test_the_same_seed_samples_and_trains_alike_on_one_engine_or_two(tmp_path, tiny_model_dir, prompts):
+    """Strictly on-policy, the same --actor.seed samples the same tokens however the requests were batched and
+    whichever engine served them. The engines' logprobs agree within float rounding only (a row's matmul differs in
+    its last bits with the rows in its step); without the importance-sampling correction, which reads them, every
+    loss and weight is equal to the bit."""
+    outs = []
+    for out, engines in (("a", 1), ("b", 1), ("c", 2)):
+        run(make_cfg(tmp_path / out, tiny_model_dir, prompts, **{
+            "train.force_sync_mode": True, "engine.num_engines": engines, "train.rollout_dump_dir":
+            str(tmp_path / out / "dump"), "algo.advantage": AdvantageConfig(is_correction_level="off")}))
+        dumps = [t for f in sorted((tmp_path / out / "dump").iterdir()) for t in read_jsonl(str(f))]
+        outs.append((rows(tmp_path / out / "run/metrics.jsonl"), [[s.token_ids for s in t.segments] for t in dumps],
+                     load_file(tmp_path / out / "run/hf/model.safetensors")))
+    (a, tokens, weights), *others = outs
+    assert len({str(t) for t in tokens}) > len(tokens) // 2  # the samples of a group differ
+    for metrics, their_tokens, their_weights in others:
+        assert their_tokens == tokens
+        assert all(torch.equal(weights[k], their_weights[k]) for k in weights)
+        for key in ("reward", "advantage_abs_mean", "actor/loss", "actor/grad_norm", "actor/entropy"):
+            assert [m[key] for m in metrics] == [m[key] for m in a], key
+        assert [m["actor/vllm_kl"] for m in metrics] == pytest.approx([m["actor/vllm_kl"] for m in a], abs=1e-6)

@@ -93,6 +93,7 @@ def rl_flags(tmp_path, tiny_model_dir):
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "1+1?", "label": "2"}\n')
     (tmp_path / "syntax.py").write_text("def broken(:\n")
     (tmp_path / "empty.py").write_text("X = 1\n")
+    (tmp_path / "imports.py").write_text("import no_such_package_here\n")
     return ["--actor.model_name_or_path", str(tiny_model_dir), "--data.prompt_dataset",
             str(tmp_path / "prompts.jsonl"), "--ckpt.output_dir", str(tmp_path / "run")]
 
@@ -119,6 +120,14 @@ NO_AGENT = ("give one of --train.agent_path (the Python file that defines AgentR
      "directory of them or a Hugging Face dataset name (like openai/gsm8k)"),
     (["--eval.dataset", "no such file"], "--eval.dataset 'no such file' does not exist; give a .json, .jsonl, "
      ".parquet, .csv file, a directory of them or a Hugging Face dataset name (like openai/gsm8k)"),
+    (["--data.prompt_dataset", ""], "--data.prompt_dataset is required: a JSONL/Parquet file, a directory or a hub "
+     "dataset"),
+    (["--train.agent_path", "{tmp}/imports.py"], "--train.agent_path: loading it failed: No module named "
+     "'no_such_package_here'"),
+    (["--train.agent_path", str(ROOT / "tests/agents/length_env.py"), "--data.input_key", "question"],
+     "--data.prompt_dataset '{tmp}/prompts.jsonl' has no 'question' column or nested field (columns: ['label', "
+     "'prompt']); set --data.input_key"),
+    (["--rollout.batchsize", "3"], "no flag --rollout.batchsize; did you mean --rollout.batch_size?"),
 ])
 def test_bad_inputs_fail_rl_in_seconds_with_one_line(flags, message, rl_flags, tmp_path, monkeypatch):
     snapshot = tmp_path / "hub/models--Qwen--Qwen3-0.6B/snapshots/abc"  # the hub's cache, offline
@@ -130,12 +139,30 @@ def test_bad_inputs_fail_rl_in_seconds_with_one_line(flags, message, rl_flags, t
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     code, err = _instar("rl", *rl_flags, *(f.format(tmp=tmp_path) for f in flags))
     assert code == 1
-    assert err == f"instar rl: {message.format(tmp=tmp_path)}\n"
+    # the last line: reading a dataset may print its progress before (datasets' "Generating train split")
+    assert err.splitlines()[-1] == f"instar rl: {message.format(tmp=tmp_path)}" and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["sft", "--ckpt.output_dir", "{tmp}/run"], "--sft.dataset is required: conversations (a JSONL or Parquet file, "
+     "directory, hub dataset)"),
+    (["sft", "--sft.dataset", "x.jsonl", "--sft.batch_size", "1", "--fsdp.num_ranks", "2", "--ckpt.output_dir",
+      "{tmp}/run"], "--sft.batch_size 1 must be >= --fsdp.num_ranks 2"),
+    (["sft", "--train.max_steps", "3"], "no flag --train.max_steps; did you mean --sft.eval_steps?"),
+    (["report", "--run_dir", "{tmp}/nothing"], "{tmp}/nothing/metrics.jsonl not found; pass the run's "
+     "--ckpt.output_dir"),
+    (["eval", "--actor.model_name_or_path", "/no/such/model", "--eval.dataset", "x.jsonl"],
+     "--actor.model_name_or_path '/no/such/model' does not exist and is not a hub model name (like "
+     "Qwen/Qwen3-0.6B); give an HF checkpoint directory"),
+])
+def test_bad_inputs_of_the_other_commands_are_one_line(argv, message, tmp_path):
+    code, err = _instar(*(a.format(tmp=tmp_path) for a in argv))
+    assert (code, err) == (1, f"instar {argv[0]}: {message.format(tmp=tmp_path)}\n")
 
 
 def test_sft_refuses_a_directory_that_holds_a_run(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
-    code, err = _instar("sft", "--ckpt.output_dir", str(tmp_path))
+    code, err = _instar("sft", "--sft.dataset", "unused.jsonl", "--ckpt.output_dir", str(tmp_path))
     assert code == 1
     assert err == (f"instar sft: --ckpt.output_dir {tmp_path} already holds a run (metrics.jsonl); pass "
                    "--ckpt.load_enable to resume it, --ckpt.overwrite to delete it and start over, or choose "

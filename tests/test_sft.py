@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from instar.config import ActorConfig, CkptConfig, FSDPConfig, SFTConfig, SFTSection, TrainConfig
+from instar.config import ActorConfig, CkptConfig, FSDPConfig, SFTConfig, SFTSection
 from instar.data.chat import load_tokenizer, prompt_ids
 from instar.data.sft import TemplateError, conversation_samples, load_sft_samples, tokenize_conversation
 from instar.train import checkpoint
@@ -111,8 +111,8 @@ def _write_task(path, n: int) -> None:
 def test_sft_lowers_held_out_loss(tiny_model_dir, tmp_path):
     _write_task(tmp_path / "task.jsonl", 100)
     cfg = SFTConfig(actor=ActorConfig(model_name_or_path=str(tiny_model_dir), learning_rate=3e-3, lr_warmup_steps=2),
-                    sft=SFTSection(dataset=str(tmp_path / "task.jsonl"), batch_size=16, epochs=3, eval_fraction=0.2),
-                    fsdp=FSDPConfig(num_ranks=1), train=TrainConfig(max_tokens_per_gpu=128),
+                    sft=SFTSection(dataset=str(tmp_path / "task.jsonl"), batch_size=16, epochs=3, eval_fraction=0.2,
+                                   max_tokens_per_gpu=128), fsdp=FSDPConfig(num_ranks=1),
                     ckpt=CkptConfig(output_dir=str(tmp_path / "out")))
     last = run_sft(cfg)
     lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]

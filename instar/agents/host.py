@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
+from collections.abc import Awaitable
 from typing import Any
 
 from instar.agents.api import ChatAgentRunner, StepEnvRunner, Task
@@ -44,6 +46,27 @@ class AgentHost:
         self.finished = 0
         self._running: set[asyncio.Task] = set()
         self._closing = False
+        self.held_s, self._held_since = 0.0, None  # how long the engines held requests behind weight syncs
+
+    def hold(self, held: bool) -> None:
+        """The engines hold new requests until a weight sync ends (or no longer): time held is not the agent's,
+        and no rollout's --train.agent_timeout counts it."""
+        self.held_s, self._held_since = self._held(), time.monotonic() if held else None
+
+    def _held(self) -> float:
+        return self.held_s + (0.0 if self._held_since is None else time.monotonic() - self._held_since)
+
+    async def _timed(self, work: Awaitable[Any]) -> Any:
+        """``work`` within --train.agent_timeout, time held by the engines not counted (`hold`)."""
+        task, start, held = asyncio.ensure_future(work), time.monotonic(), self._held()
+        try:
+            while (left := self.agent_timeout - (time.monotonic() - start) + (self._held() - held)) > 0:
+                if (await asyncio.wait({task}, timeout=left))[0]:
+                    return task.result()
+            raise TimeoutError
+        finally:
+            task.cancel()  # timed out, or the caller was cancelled: it ends with its caller, as under wait_for
+            await asyncio.wait({task})
 
     async def __aenter__(self) -> AgentHost:
         await self.server.__aenter__()
@@ -68,7 +91,7 @@ class AgentHost:
         me, kept_error = asyncio.current_task(), None
         self._running.add(me)
         try:
-            result = await asyncio.wait_for(self.runner.rollout(task, messages, session), self.agent_timeout)
+            result = await self._timed(self.runner.rollout(task, messages, session))
         except asyncio.CancelledError:
             if not self._closing:
                 raise
@@ -110,7 +133,7 @@ class AgentHost:
         out = await asyncio.gather(*(self.rollout(task) for task in tasks))
         if isinstance(self.runner, RewardFnRunner):
             try:
-                await asyncio.wait_for(self.runner.score(tasks, out), self.agent_timeout)
+                await self._timed(self.runner.score(tasks, out))
             except TimeoutError:
                 for task in tasks:
                     self._drop("reward_timeout", task, f"scoring exceeded --train.agent_timeout={self.agent_timeout}s")

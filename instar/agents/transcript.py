@@ -177,7 +177,8 @@ class Transcript:
             turn = Turn({"role": "assistant", "content": ""}, "", [], "length", len(context) + len(new_ids))
             self._cache = (key, turn)
             return turn
-        params = sampling.replace(max_tokens=min(sampling.max_tokens, self.max_new_tokens, room),
+        # turn k of a seeded session samples from its own seed: reproducible, and no two turns draw alike
+        params = sampling.derived(self.turns).replace(max_tokens=min(sampling.max_tokens, self.max_new_tokens, room),
                                   stop_token_ids=sorted({*sampling.stop_token_ids, *self.stop_token_ids}))
         prompt = context + new_ids
         seen = ImageInputs.cat((self._open.images if extends else []) + images)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import difflib
 import os
 import sys
 import typing
@@ -64,10 +65,7 @@ def _run_view(args: ViewArgs) -> None:
 
     if not args.path or not args.tokenizer:
         raise ConfigError("--path (a rollout dump) and --tokenizer (the run's model directory) are required")
-    try:
-        print(f"wrote {write_view(args.path, args.tokenizer, args.out, args.limit)}")
-    except FileNotFoundError as e:
-        raise ConfigError(str(e)) from e
+    print(f"wrote {write_view(args.path, args.tokenizer, args.out, args.limit)}")
 
 
 def _run_report(args: ReportArgs) -> None:
@@ -94,6 +92,8 @@ def _check_inputs(cfg: RLConfig, prompts_given: bool = False, reward_fns: Sequen
     for flag, path in models.items():
         if path and not os.path.exists(path) and (problem := _hub_problem(path)):
             raise ConfigError(f"--{flag} {path!r} {problem}; give an HF checkpoint directory")
+    if not (prompts_given or cfg.data.prompt_dataset or cfg.train.rollout_replay_dir):
+        raise ConfigError("--data.prompt_dataset is required: a JSONL/Parquet file, a directory or a hub dataset")
     prompts = None if prompts_given else cfg.data.prompt_dataset
     sources = {"data.prompt_dataset": prompts, "eval.dataset": cfg.eval.dataset}
     for flag, source in sources.items():
@@ -105,11 +105,13 @@ def _check_inputs(cfg: RLConfig, prompts_given: bool = False, reward_fns: Sequen
     if bool(cfg.train.agent_path) == bool(fns):
         raise ConfigError("give one of --train.agent_path (the Python file that defines AgentRunner) and "
                           "--train.reward_fns (reward functions for single-turn tasks)")
+    flag = "--train.agent_path" if cfg.train.agent_path else "--train.reward_fns"
     try:
         load_agent(cfg.train.agent_path) if cfg.train.agent_path else load_reward_fns(fns, cfg.train.reward_weights)
     except SyntaxError as e:
-        flag = "--train.agent_path" if cfg.train.agent_path else "--train.reward_fns"
         raise ConfigError(f"{flag} {e.filename!r} does not compile: {e.msg} (line {e.lineno})") from None
+    except ImportError as e:  # what it imports is not installed here (nor, then, in the agent runners)
+        raise ConfigError(f"{flag}: loading it failed: {e}") from None
 
 
 def _hub_problem(name: str) -> str | None:
@@ -145,6 +147,9 @@ def evaluate(config: RLConfig | Sequence[str]) -> dict[str, float]:
     from instar.loop import evaluate as run_eval
 
     cfg = _config("eval", config)
+    if not cfg.eval.dataset:
+        raise ConfigError("--eval.dataset is required: the prompts (with labels) to evaluate on")
+    _check_inputs(cfg, prompts_given=True)  # the prompts are --eval.dataset's
     read_template(cfg.data.chat_template, cfg.data.chat_template_kwargs, "data")  # here, not in each agent runner
     return _outside_event_loop(run_eval, cfg)
 
@@ -155,6 +160,8 @@ def sft(config: SFTConfig | Sequence[str]) -> dict[str, float]:
     from instar.train.sft import run_sft
 
     cfg = _config("sft", config)
+    if not cfg.sft.dataset:
+        raise ConfigError("--sft.dataset is required: conversations (a JSONL or Parquet file, directory, hub dataset)")
     _announce(cfg)
     prepare_run_dir(cfg.ckpt)
     return run_sft(cfg)
@@ -247,8 +254,16 @@ def build_parser() -> ArgumentParser:
 
 def parse(argv: list[str]) -> tuple[str, object]:
     """Parse a command line into (command, config dataclass); raises SystemExit with a message on bad input."""
-    parser = build_parser()
-    ns = parser.parse_args(_normalise(argv))
+    parser, argv = build_parser(), _normalise(argv)
+    if argv and (command := parser._subcommands_action._name_parser_map.get(argv[0])) is not None:
+        known = {flag for action in command._actions for flag in action.option_strings}
+        for flag in (arg.split("=")[0] for arg in argv[1:] if arg.startswith("--")):
+            if flag not in known:  # one line with the nearest flag, not the whole usage
+                near = difflib.get_close_matches(flag, known, 1)
+                hint = f"; did you mean {near[0]}?" if near else ""
+                print(f"instar {argv[0]}: no flag {flag}{hint}", file=sys.stderr)
+                sys.exit(1)
+    ns = parser.parse_args(argv)
     # jsonargparse instantiates the nested config dataclasses; the command's own one is built here
     cls, values = COMMANDS[ns.command][0], parser.instantiate(ns)[ns.command]
     return ns.command, cls(**{f.name: values.get(f.name) for f in dataclasses.fields(cls)})
@@ -258,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     name, cfg = parse(sys.argv[1:] if argv is None else argv)
     try:
         COMMANDS[name][1](cfg)
-    except ConfigError as e:
+    except (ConfigError, FileNotFoundError) as e:  # what the user gave: one line, no traceback
         sys.exit(f"instar {name}: {e}")
 
 

@@ -48,7 +48,6 @@ class SFTConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     sft: SFTSection = field(default_factory=SFTSection)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     log: LogConfig = field(default_factory=LogConfig)
     cpu: CpuConfig = field(default_factory=CpuConfig)

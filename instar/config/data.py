@@ -77,6 +77,8 @@ class SFTSection:
     turns (see docs/data.md, Chat templates)."""
     max_len: int = 1024
     """Longest conversation in tokens; longer ones are truncated."""
+    max_tokens_per_gpu: int = 16384
+    """Token budget of one trainer micro-batch (packed, no padding)."""
     eval_fraction: float = 0.0
     """Fraction of conversations held out to report eval loss."""
     eval_steps: int = 0

@@ -47,7 +47,8 @@ class ActorConfig:
     ref_model_name_or_path: str | None = None
     """Frozen reference (KL) or teacher (on_policy_distill) checkpoint; None reuses --actor.model_name_or_path."""
     seed: int = 42
-    """Seed of the trainer's RNGs."""
+    """Seed of the trainer's RNGs and of sampling: each rollout turn samples from a seed derived from it, the prompt
+    group, the sample and the turn, whichever engine serves it."""
     lora_rank: int = 0
     """Rank of LoRA adapters on the policy (built with PEFT); 0 trains every weight. With LoRA only the adapters
     train, the engines sample the merged weights, and the reference (when it is the same checkpoint) is the

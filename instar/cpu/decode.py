@@ -26,10 +26,10 @@ class DecodeKernel:
     def __init__(self, library: ctypes.PyDLL) -> None:
         self._fn = library.decode_attention
         p, i = ctypes.c_void_p, ctypes.c_int64
-        self._fn.argtypes = [p] * 11 + [i] * 7 + [ctypes.c_float, ctypes.c_int]
+        self._fn.argtypes = [p] * 9 + [i] * 7 + [ctypes.c_float, ctypes.c_int]
         self._fn.restype = ctypes.c_int
         self._sample = library.sample_rows
-        self._sample.argtypes = [p, p, i, i, p, p, p]
+        self._sample.argtypes = [p, p, p, i, i, p, p, p]
         self._sample.restype = ctypes.c_int
 
     @classmethod
@@ -38,15 +38,18 @@ class DecodeKernel:
         library = native("decode", "the engine's decode attention and sampling", lambda lib: cls(lib).self_check())
         return None if library is None else cls(library)
 
-    def sample(self, logits: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample(self, logits: torch.Tensor, u: torch.Tensor, keys: torch.Tensor | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens (rows,) and their logprobs from float32 ``logits`` (rows, V) at temperature 1, unfiltered, with the
-        uniform draws ``u`` (rows,): what `sampling.sample` computes from the same draws (up to float rounding of
-        the log-softmax and running sums: a draw within a rounding error of a boundary may land on its neighbour).
-        A row with a NaN or +inf logit, or only -inf ones, gets token 0 and a NaN logprob, as there."""
+        uniform draws ``u`` (rows,), or racing with the int64 ``keys`` (rows,): what `sampling.sample` computes from
+        the same draws (up to float rounding of the log-softmax and running sums: a draw within a rounding error of a
+        boundary, or a near tie of the race, may land on a neighbour). A row with a NaN or +inf logit, or only -inf
+        ones, gets token 0 and a NaN logprob, as there."""
         logits, u = logits.contiguous(), u.contiguous()
         rows, vocab = logits.shape
         tokens, logprobs, scratch = torch.empty(rows, dtype=torch.int64), torch.empty(rows), torch.empty(vocab)
-        checked(self._sample(*pointers(logits, u), rows, vocab, *pointers(scratch, tokens, logprobs)), "sampling")
+        checked(self._sample(*pointers(logits, u, keys), rows, vocab, *pointers(scratch, tokens, logprobs)),
+                "sampling")
         return tokens, logprobs
 
     @staticmethod
@@ -56,14 +59,11 @@ class DecodeKernel:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                  lengths: torch.Tensor, span: int, scale: float, new: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 ) -> torch.Tensor:
         """Attention of ``q (rows, heads, d)``, row r over the first ``lengths[r]`` (at most ``span``) keys and
         values of cache slot ``slots[r]`` (``k_cache``, ``v_cache``: (slots, kv_heads, capacity, d)); returns
         (rows, heads, d). ``new``: the rows' keys and values of this step (rows, kv_heads, d), written into the
-        cache at each row's last position first (a decode step's cache write, in the same pass). ``shared``: per
-        row a slot and a count: the row's first keys and values, that many, are read from that slot, which holds
-        the same ones (a group's prompt, copied into each of its rows' slots: read from one, it is fetched from
-        memory once)."""
+        cache at each row's last position first (a decode step's cache write, in the same pass)."""
         q = q.contiguous()
         rows, heads, d = q.shape
         n_slots, kv_heads, capacity, _ = k_cache.shape
@@ -72,7 +72,7 @@ class DecodeKernel:
             raise ValueError(f"decode attention: caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}, query "
                              f"{tuple(q.shape)} and new keys {[None if t is None else tuple(t.shape) for t in new]}")
         out, scratch = torch.empty_like(q), torch.empty(rows * kv_heads * span)
-        tensors = (q, *new, k_cache, v_cache, slots, lengths, *(shared or (None, None)), out, scratch)
+        tensors = (q, *new, k_cache, v_cache, slots, lengths, out, scratch)
         if self._fn(*pointers(*tensors), rows, heads, kv_heads, n_slots, capacity, d, span, scale,
                     torch.get_num_threads()):
             raise ValueError(f"decode attention over up to {int(lengths.max())} keys (span {span}) of slots up to "
@@ -91,11 +91,20 @@ class DecodeKernel:
                                        atol=1e-5)
         logits = torch.randn(16, 300, generator=g) * 3
         logits[3, 5] = float("nan")
-        with torch.random.fork_rng(devices=[]):  # the process's own draws stay as they were
-            torch.manual_seed(0)
-            want_tokens, want_logprobs = sample(logits, [SamplingParams()] * 16, [None] * 16)
-            torch.manual_seed(0)
-            tokens, logprobs = self.sample(logits, torch.rand(16))
-        torch.testing.assert_close(logprobs, want_logprobs, rtol=1e-4, atol=1e-4, equal_nan=True)
-        if (tokens != want_tokens).sum() > 1:  # a draw within rounding of a boundary may land on its neighbour
-            raise AssertionError(f"sampling kernel: tokens {tokens.tolist()} against torch's {want_tokens.tolist()}")
+        for seeded in (False, True):  # the inverse CDF, then the race
+            params = [SamplingParams(seed=row if seeded else None) for row in range(16)]
+            with torch.random.fork_rng(devices=[]):  # the process's own draws stay as they were
+                torch.manual_seed(0)
+                want_tokens, want_logprobs = sample(logits, params, [0] * 16)
+                torch.manual_seed(0)
+                tokens, logprobs = sample(logits, params, [0] * 16, accelerator=_Sampler(self))
+            torch.testing.assert_close(logprobs, want_logprobs, rtol=1e-4, atol=1e-4, equal_nan=True)
+            if (tokens != want_tokens).sum() > 1:  # a draw within rounding of a boundary may land on its neighbour
+                raise AssertionError(f"sampling kernel: tokens {tokens.tolist()} against {want_tokens.tolist()}")
+
+
+class _Sampler:
+    """Just the kernel's sampling, as `sampling.sample` calls an accelerator: what the self-check runs."""
+
+    def __init__(self, kernel: DecodeKernel) -> None:
+        self.sample = kernel.sample

@@ -33,10 +33,11 @@ class EngineAccelerator:
     def takes_decode(self, q: torch.Tensor, cache: torch.Tensor) -> bool:
         return self.kernel is not None and self.kernel.takes(q, cache)
 
-    def sample(self, logits: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def sample(self, logits: torch.Tensor, u: torch.Tensor, keys: torch.Tensor | None,
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.kernel is None or logits.dtype != torch.float32 or logits.device.type != "cpu":
             return None
-        return self.kernel.sample(logits, u)
+        return self.kernel.sample(logits, u, keys)
 
 
 def accelerator(model: nn.Module) -> EngineAccelerator | None:

@@ -40,8 +40,8 @@ def load_prompts(source: str | Any, cfg: DataConfig, split: str | None = None, f
     subset = subset or Subset(cfg.dataset_config, cfg.dataset_revision, cfg.data_files)
     records = read_records(source, cfg.split if split is None else split, flag, subset)
     if lookup(records[0], cfg.input_key) is MISSING:
-        raise ValueError(f"--{flag} {source!r} has no {cfg.input_key!r} column or nested field (columns: "
-                         f"{sorted(records[0])}); set --data.input_key")
+        raise ConfigError(f"--{flag} {source!r} has no {cfg.input_key!r} column or nested field (columns: "
+                          f"{sorted(records[0])}); set --data.input_key")
     base = None if not isinstance(source, str) else Path(source).parent if Path(source).is_file() else Path(source)
     return [_to_prompt(index, record, cfg, base) for index, record in enumerate(records)]
 
@@ -49,20 +49,19 @@ def load_prompts(source: str | Any, cfg: DataConfig, split: str | None = None, f
 def _to_prompt(index: int, record: dict[str, Any], cfg: DataConfig, base: Path | None = None) -> Prompt:
     value = without_nulls(lookup(record, cfg.input_key))
     if value is MISSING:
-        raise ValueError(f"prompt {index} has no {cfg.input_key!r} (columns: {sorted(record)}); set --data.input_key")
+        raise ConfigError(f"prompt {index} has no {cfg.input_key!r} (columns: {sorted(record)}); set --data.input_key")
     chat = isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
     if not (isinstance(value, str) or chat):
-        raise ValueError(f"prompt {index}: {cfg.input_key!r} must be a string or a list of chat messages, "
-                         f"got {type(value).__name__}")
+        raise ConfigError(f"prompt {index}: {cfg.input_key!r} must be a string or a list of chat messages, "
+                          f"got {type(value).__name__}")
     messages = normalise(prompt_messages(value, cfg.system_prompt or None), base, f"prompt {index}")
-    label = lookup(record, cfg.label_key, None)
     tools, images = (without_nulls(lookup(record, k, None)) for k in (cfg.tools_key, cfg.image_key))
     if images is not None and not isinstance(images, list):
         images = [images]
     images = [data_url(im, base, f"prompt {index} {cfg.image_key}[{k}]") for k, im in enumerate(images or [])]
     keys = (cfg.input_key, cfg.label_key, cfg.tools_key, cfg.image_key)
     rest = {k: v for k, v in record.items() if k not in keys}
-    return Prompt(index, messages, label, tools, rest, images or None, chat)
+    return Prompt(index, messages, lookup(record, cfg.label_key, None), tools, rest, images or None, chat)
 
 
 def drop_overlong(prompts: list[Prompt], tokenizer: Any, max_len: int) -> list[Prompt]:

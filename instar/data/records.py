@@ -52,8 +52,8 @@ def read_records(source: str | Any, split: str, flag: str, subset: Subset | None
     if not isinstance(source, str):
         table = source.get(split) if isinstance(source, datasets.DatasetDict) else source
         if not isinstance(table, datasets.Dataset) or not len(table):
-            raise ValueError(f"the {flag} given from Python must be a non-empty datasets.Dataset (or a DatasetDict "
-                             f"with split {split!r}), got {type(table).__name__}")
+            raise ConfigError(f"the {flag} given from Python must be a non-empty datasets.Dataset (or a DatasetDict "
+                              f"with split {split!r}), got {type(table).__name__}")
         return table.to_list()
     subset = subset or Subset()
     kind = source_kind(source, flag)
@@ -61,7 +61,7 @@ def read_records(source: str | Any, split: str, flag: str, subset: Subset | None
         raise ConfigError(f"--{flag} {source!r} is one file, read whole: its dataset config, revision and data "
                           "files apply to directories and hub names only; drop them")
     if kind == "file" and Path(source).stat().st_size == 0:  # `datasets` fails on one with StopIteration
-        raise ValueError(f"--{flag} {source!r} is empty")
+        raise ConfigError(f"--{flag} {source!r} is empty")
     try:
         if kind == "file":
             builder = FORMATS[Path(source).suffix.lower()]
@@ -73,12 +73,12 @@ def read_records(source: str | Any, split: str, flag: str, subset: Subset | None
             table = datasets.load_dataset(source, subset.config, split=split, revision=subset.revision,
                                           data_files=subset.data_files)
     except ConnectionError as e:
-        raise ValueError(f"--{flag} {source!r} is not a local file or directory and the Hugging Face hub could not "
-                         f"be reached ({e}); run where the hub is reachable, or download the data and give its "
-                         "file or directory") from None
+        raise ConfigError(f"--{flag} {source!r} is not a local file or directory and the Hugging Face hub could not "
+                          f"be reached ({e}); run where the hub is reachable, or download the data and give its "
+                          "file or directory") from None
     # ValueError: an unknown or empty split (the message names the splits there are)
     except (datasets.exceptions.DatasetNotFoundError, ValueError) as e:
-        raise ValueError(f"--{flag} {source!r}: {e}") from None
+        raise ConfigError(f"--{flag} {source!r}: {e}") from None
     return table.to_list()  # an empty split failed above (`datasets`: "corresponds to no data")
 
 

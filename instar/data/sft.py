@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from instar.config import ConfigError
 from instar.contract import NO_VERSION, ImageInputs, Sample
 from instar.data.chat import encode, render
 from instar.data.images import Vision, image_urls, normalise
@@ -88,14 +89,14 @@ def load_sft_samples(source: str, tokenizer: Any, messages_key: str = "messages"
     for n, record in enumerate(read_records(source, split, "sft.dataset", subset)):
         messages = without_nulls(lookup(record, messages_key))
         if not isinstance(messages, list):
-            raise ValueError(f"--sft.dataset {source!r}: record {n} has no message list under {messages_key!r} "
-                             f"(columns: {sorted(record)}); set --sft.messages_key")
+            raise ConfigError(f"--sft.dataset {source!r}: record {n} has no message list under {messages_key!r} "
+                              f"(columns: {sorted(record)}); set --sft.messages_key")
         if vision is not None:
             base = Path(source).parent if Path(source).is_file() else Path(source)
             messages = normalise(messages, base, f"--sft.dataset record {n}")
         tools = without_nulls(lookup(record, "tools", None))
         samples.extend(conversation_samples(tokenizer, messages, tools, max_len, vision))
     if not samples:
-        raise ValueError(f"--sft.dataset {source!r} holds no conversation with an assistant message; "
-                         "nothing to train on")
+        raise ConfigError(f"--sft.dataset {source!r} holds no conversation with an assistant message; "
+                          "nothing to train on")
     return samples

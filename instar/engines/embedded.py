@@ -49,7 +49,7 @@ from instar.engines.kv_model import (
 )
 from instar.engines.prefix_cache import CachedPrefix, PrefixCache, common_prefix_len
 from instar.engines.protocol import EngineLoad, PauseMode, Sampled, StepAccelerator, check_prompt
-from instar.engines.request import Request, attach_images, image_features, shared_prompts
+from instar.engines.request import Request, attach_images, image_features
 from instar.engines.sampling import sample
 
 
@@ -145,8 +145,7 @@ class EmbeddedEngine:
         if images is not None and not self._vision:
             raise ValueError("generate got images for a text-only model")
         self._start()
-        generator = None if sampling_params.seed is None else torch.Generator().manual_seed(sampling_params.seed)
-        request = Request(list(prompt_token_ids), len(prompt_token_ids), sampling_params, session_id, generator,
+        request = Request(list(prompt_token_ids), len(prompt_token_ids), sampling_params, session_id,
                           asyncio.get_running_loop().create_future())
         if images is not None:
             attach_images(request, images)
@@ -200,7 +199,7 @@ class EmbeddedEngine:
         else:
             load_named(self._params, named_tensors)
             for request in self._running:
-                request.cached, request.family = 0, None  # recomputed apart: no longer copies of one prompt
+                request.cached = 0  # its keys are the old weights': recomputed
                 request.features.clear()
         self._prefixes.clear()
         self.version = version
@@ -259,7 +258,7 @@ class EmbeddedEngine:
             self._finish(request, "abort")
         self._compact()
         leaders: dict[tuple[int, ...], Request] = {}
-        twins: list[tuple[Request, Request, int]] = []  # (request, its leader, the leader's slot: it may end at once)
+        twins: dict[Request, int] = {}  # request -> its leader's slot (the leader may end at once)
         while self._queue and len(self._running) < self.cfg.max_num_seqs:
             request = self._queue.popleft()
             request.slot = len(self._running)
@@ -271,15 +270,13 @@ class EmbeddedEngine:
                 # a group's samples arrive together with one prompt: it is computed once, for the first
                 leader = leaders.setdefault(tuple(request.identity(request.prompt_len)), request)
                 if leader is not request:
-                    twins.append((request, leader, leader.slot))
-        waiting = {request for request, _, _ in twins}
+                    twins[request] = leader.slot
         for group in self._forward_groups():
-            if group := [r for r in group if r not in waiting]:
+            if group := [r for r in group if r not in twins]:
                 self._run(group)
-        self._cache.copy([(source, request.slot, request.prompt_len - 1) for request, _, source in twins])
-        for request, leader, _ in twins:  # fed from the last prompt token on, at the next step
-            request.cached = request.shared = leader.shared = request.prompt_len - 1
-            request.family = leader.family = leader
+        self._cache.copy([(source, request.slot, request.prompt_len - 1) for request, source in twins.items()])
+        for request in twins:  # fed from the last prompt token on, at the next step
+            request.cached = request.prompt_len - 1
             self._counts["prefix_hit_tokens"] += request.cached
         self._compact()  # after the twins' copies: a leader that finished may leave a hole
         if self._previous is not None and not any(r.previous for r in self._running):  # the drain is over
@@ -321,8 +318,7 @@ class EmbeddedEngine:
         model, version = self._previous if group[0].previous else (self.model, self.version)
         rope = [r.rope_of(r.cached, len(r.ids)) for r in group] if self._vision else None
         images = [image_features(model, r) for r in group] if self._vision else None
-        batch = make_batch(self._cache, new, [r.slot for r in group], [r.cached for r in group], rope, images,
-                           shared_prompts(group))
+        batch = make_batch(self._cache, new, [r.slot for r in group], [r.cached for r in group], rope, images)
         logits, routed = forward(model, self._cache, batch, self.accelerator)
         if routed is not None:
             for request, rows in zip(group, routed.split([len(ids) for ids in new])):
@@ -336,7 +332,7 @@ class EmbeddedEngine:
             return
         requests = [group[row] for row in live]
         tokens, logprobs = sample(logits[live] if len(live) < len(group) else logits,
-                                  [r.params for r in requests], [r.generator for r in requests],
+                                  [r.params for r in requests], [r.num_sampled for r in requests],
                                   self.cfg.logprobs_mode, self.accelerator)
         self._counts["sampled_tokens"] += len(requests)
         for request, token, logprob in zip(requests, tokens.tolist(), logprobs.tolist()):

@@ -40,10 +40,9 @@ def text_config(model: nn.Module) -> Any:
 
 def check_supported(model: nn.Module) -> None:
     """Raise if the embedded engine cannot run ``model`` exactly."""
-    config = model.config
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
+    if model.config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"the embedded engine runs {SUPPORTED_MODEL_TYPES} models, got model_type "
-                         f"{config.model_type!r}; use --rollout.engine vllm for other architectures")
+                         f"{model.config.model_type!r}; use --rollout.engine vllm for other architectures")
     if model.device.type != "cpu":
         raise ValueError(f"the embedded engine runs on CPU, the model is on {model.device}; use --rollout.engine "
                          "vllm on GPUs")
@@ -78,12 +77,11 @@ class SlotCache:
     def reserve(self, length: int, slots: int = 0) -> None:
         if length <= self.shape[2] and slots <= self.shape[0]:
             return
-        old_slots, old_length = self.shape[0], self.shape[2]
-        self.shape = (_grown(old_slots, slots), self.shape[1], _grown(old_length, length), self.shape[3])
+        self.shape = (_grown(self.shape[0], slots), self.shape[1], _grown(self.shape[2], length), self.shape[3])
         for kv in (self.k, self.v):
             for i, old in enumerate(kv):
                 kv[i] = torch.zeros(self.shape, dtype=self.dtype)
-                kv[i][:old_slots, :, :old_length] = old
+                kv[i][: old.shape[0], :, : old.shape[2]] = old
 
     def read(self, slot: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Copies of the first ``length`` cached positions of ``slot``, per layer (kv_heads, length, head_dim)."""
@@ -106,9 +104,8 @@ class SlotCache:
     def write(self, slot: int, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
         """Put the first ``length`` positions of saved ``keys`` / ``values`` back into ``slot``."""
         self.reserve(length, slot + 1)
-        for cache, saved in ((self.k, keys), (self.v, values)):
-            for layer_cache, layer_saved in zip(cache, saved):
-                layer_cache[slot, :, :length] = layer_saved[:, :length]
+        for cache, saved in zip((*self.k, *self.v), (*keys, *values)):
+            cache[slot, :, :length] = saved[:, :length]
 
 
 def _grown(have: int, need: int) -> int:
@@ -126,7 +123,6 @@ class AttentionGroup:
     grid: torch.Tensor | None  # (rows, T), padding repeats a row's last token; None: T = 1 and rows = packed order
     valid: torch.Tensor | None  # (rows, T) bool: grid entries that are real tokens; None: all are
     lengths: torch.Tensor  # (rows,) each row's cached keys after this step's
-    shared: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows,) twice: a slot, how many first keys read there
     _bias: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def decode_bias(self, heads: int) -> torch.Tensor:
@@ -165,28 +161,23 @@ class Batch:
 
 def make_batch(cache: SlotCache, new_ids: list[list[int]], slots: list[int], past: list[int],
                rope: list[torch.Tensor] | None = None,
-               images: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
-               shared: list[tuple[int, int]] | None = None) -> Batch:
+               images: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> Batch:
     """Index tensors for one forward. Single-token (decode) rows and longer (prefill) rows attend in
     separate groups, so a decode row is never padded to a prompt's length. A vision-language model's
     rows also give their rotary positions ``rope`` (3, new tokens) and, where new tokens are image
-    tokens, ``images``: their indices in the row and their features (1 + levels, tokens, hidden). In a decode
-    step, ``shared`` gives each row a slot that holds its first keys too and how many (for an accelerator's
-    decode kernel)."""
+    tokens, ``images``: their indices in the row and their features (1 + levels, tokens, hidden)."""
     sizes = [len(ids) for ids in new_ids]
     rows = len(sizes)
     decode = max(sizes) == 1  # a pure decode step: packed token b is row b's, at position past[b]
-    # every index the step needs from Python in one tensor: tokens, past, slots, then the shared sources and counts
-    flat = ints([*(t for ids in new_ids for t in ids), *past, *slots,
-                 *(s for s, _ in shared or ()), *(n for _, n in shared or ())])
+    # every index the step needs from Python in one tensor: tokens, past, slots
+    flat = ints([*(t for ids in new_ids for t in ids), *past, *slots])
     n = sum(sizes)
     tokens, past_t, slots_t = flat[:n], flat[n: n + rows], flat[n + rows: n + 2 * rows]
     span = max(p + n for p, n in zip(past, sizes))
     cache.reserve(span, max(slots) + 1)
     if decode:  # no gathering at all
         starts, token_slots, positions = None, slots_t, past_t
-        groups = [AttentionGroup(slots_t, _first_slot(slots), span, None, None, None, past_t + 1,
-                                 (flat[n + 2 * rows: n + 3 * rows], flat[n + 3 * rows:]) if shared else None)]
+        groups = [AttentionGroup(slots_t, _first_slot(slots), span, None, None, None, past_t + 1)]
     else:
         lengths = ints(sizes)
         ends = past_t + lengths
@@ -258,7 +249,7 @@ def attend(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     kernel = accelerator.decode if accelerator is not None and accelerator.takes_decode(q, cache.k[layer]) else None
     if kernel is not None and (group := batch.groups[0]).grid is None:  # a pure decode step
         return kernel(q, cache.k[layer], cache.v[layer], group.slots, group.lengths, group.span,
-                      attn.scaling, (k, v), group.shared).reshape(tokens, -1)  # it writes the new keys too
+                      attn.scaling, (k, v)).reshape(tokens, -1)  # it writes the new keys too
     cache.k[layer].view(-1, head_dim).index_copy_(0, batch.write_rows(cache), k.reshape(-1, head_dim))
     cache.v[layer].view(-1, head_dim).index_copy_(0, batch.write_rows(cache), v.reshape(-1, head_dim))
     out = torch.empty_like(q)

@@ -136,11 +136,11 @@ class StepAccelerator(Protocol):
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                lengths: torch.Tensor, span: int, scale: float, new: tuple[torch.Tensor, torch.Tensor] | None = None,
-               shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               ) -> torch.Tensor:
         """Attention of ``q (rows, heads, d)``, row r over the first ``lengths[r]`` keys of cache slot ``slots[r]``;
-        ``new``: the rows' keys and values of this step, written at each row's last position first; ``shared``:
-        per row a slot and a count of first keys read there (a group's prompt)."""
+        ``new``: the rows' keys and values of this step, written at each row's last position first."""
 
-    def sample(self, logits: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Tokens and logprobs of rows at temperature 1 with no filter, from the uniform draws ``u``; or None to
-        leave them to torch."""
+    def sample(self, logits: torch.Tensor, u: torch.Tensor, keys: torch.Tensor | None,
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Tokens and logprobs of rows at temperature 1 with no filter, from the uniform draws ``u`` or, given the
+        seeded rows' ``keys``, by `sampling.race`; or None to leave them to torch."""

@@ -19,7 +19,6 @@ class Request:
     prompt_len: int
     params: SamplingParams
     session_id: str | None
-    generator: torch.Generator | None  # seeded requests only
     future: asyncio.Future
     slot: int = -1
     cached: int = 0  # leading ids whose keys/values are in the slot (and valid for the current weights)
@@ -34,10 +33,6 @@ class Request:
     rope: torch.Tensor | None = None  # (3, prompt_len) multimodal rotary positions
     delta: int = 0  # rotary position minus index of every token after the prompt's last image
     features: dict[int, torch.Tensor] = field(default_factory=dict)  # image index -> (1 + levels, tokens, hidden)
-    # a group's samples that share a prompt (computed once, copied into each one's slot): the group's first
-    # request, and how many leading keys every one of them holds alike (a decode step reads them from one slot)
-    family: Request | None = None
-    shared: int = 0
 
     @property
     def num_sampled(self) -> int:
@@ -59,11 +54,9 @@ class Request:
     def generation(self, routing_shape: tuple[int, int] | None) -> Generation:
         """What it sampled; for an MoE model (``routing_shape``: moe layers, top-k) with each sampled token's
         routing, -1 for one never fed through the model (only after an abort)."""
-        routed = None
-        if routing_shape is not None:
-            routed = torch.full((self.num_sampled, *routing_shape), -1, dtype=torch.int64)
-            if self.routed:
-                routed[: len(self.routed)] = torch.stack(self.routed)
+        routed = torch.full((self.num_sampled, *routing_shape), -1, dtype=torch.int64) if routing_shape else None
+        if self.routed:  # recorded only when the model has MoE layers
+            routed[: len(self.routed)] = torch.stack(self.routed)
         return Generation(token_ids=self.ids[self.prompt_len:], logprobs=self.logprobs, versions=self.versions,
                           finish_reason=self.finish_reason, routed_experts=routed)
 
@@ -73,16 +66,6 @@ class Request:
             return torch.arange(start, end).expand(3, -1)
         tail = torch.arange(max(start, self.prompt_len), end) + self.delta
         return torch.cat([self.rope[:, start:end], tail.expand(3, -1)], dim=1)
-
-
-def shared_prompts(group: list[Request]) -> list[tuple[int, int]] | None:
-    """For a decode step: each row's source of its shared prompt (the slot of its family's first row here)
-    and how many keys it shares; None when no two rows share one."""
-    if any(r.cached != len(r.ids) - 1 for r in group) or all(r.family is None for r in group):
-        return None
-    first: dict[int, int] = {}
-    return [(first.setdefault(id(r.family), r.slot), r.shared) if r.family is not None else (r.slot, 0)
-            for r in group]
 
 
 def attach_images(request: Request, images: ImageInputs) -> None:

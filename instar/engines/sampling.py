@@ -20,13 +20,17 @@ importance-sampling correction divides by it:
 Greedy requests (temperature 0) always return the raw logprob: the processed distribution is a
 point mass (logprob 0), which carries no information for a trainer.
 
-Each request draws one uniform number per token and inverts the CDF. A seeded request draws from its
-own `torch.Generator`, so it reproduces its samples whatever else shares the batch; unseeded ones
-(generator None) share one draw from torch's default generator.
+An unseeded request draws one uniform number per token from torch's generator and inverts the CDF. A
+seeded request races: the argmax of its logprobs plus Gumbel noise hashed from its seed, the token's
+index in the request and each token id (the exponential race vLLM samples seeded requests with). So it
+samples alike whatever else shares the batch, and even where batching changes the logits in their last
+bits: a token changes only when two noisy scores tie to rounding, where one CDF draw changes it whenever it
+lies within rounding of any of the vocabulary's boundaries (a few tokens in a thousand of a random model).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Literal
 
 import torch
@@ -60,28 +64,47 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     return scaled.masked_fill(~mask, float("-inf"))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           logprobs_mode: LogprobsMode = "processed", accelerator: StepAccelerator | None = None,
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of ``logits`` (B, V). Returns (token ids (B,) int64, logprobs (B,) float32).
-    Rows at temperature 1 with no filter through ``accelerator`` when given and it takes them, from the same
-    draws."""
-    untouched = all(p.temperature in (0, 1) and p.top_k <= 0 and p.top_p >= 1 and p.min_p <= 0 for p in params)
-    u = torch.rand(len(generators))
-    for row, g in enumerate(generators):
-        if g is not None:
-            u[row] = torch.rand((), generator=g)
-    if accelerator is not None and untouched and all(p.temperature for p in params):
-        if (sampled := accelerator.sample(logits, u)) is not None:
-            return sampled
-    raw = logits.float().log_softmax(dim=-1)
-    processed = raw if untouched else filter_logits(logits, params).log_softmax(dim=-1)
-    cdf = processed.exp().cumsum(dim=-1)
+_MIX = [c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)]  # splitmix64's
+
+
+def race(logprobs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Per row the argmax of ``logprobs`` (B, V) plus Gumbel noise hashed from the row's int64 key and the token id."""
+    x = keys[:, None] + torch.arange(logprobs.shape[-1], device=keys.device) * _MIX[0]  # int64 wraps: splitmix64,
+    x = (x ^ (x >> 30 & (1 << 34) - 1)) * _MIX[1]  # logical shifts by masking
+    x = (x ^ (x >> 27 & (1 << 37) - 1)) * _MIX[2]
+    u = (x >> 40 & (1 << 24) - 1).float().add_(0.5).mul_(2.0 ** -24)
+    return (logprobs - u.log_().neg_().log_()).argmax(dim=-1)
+
+
+def _inverted(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row the token where the CDF of ``logprobs`` (B, V) passes the uniform draw ``u[row]``."""
+    cdf = logprobs.exp().cumsum(dim=-1)
     # right=True skips zero-probability tokens (their cdf equals their predecessor's); the minimum guards
     # u * total rounding up to total, which would point past the last token with probability > 0.
     tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     if bool((tokens == cdf.shape[-1]).any()):  # rare: only then the pass over the whole cdf
         tokens = torch.minimum(tokens, (cdf < cdf[:, -1:]).sum(dim=-1))
+    return tokens
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], counts: list[int],
+           logprobs_mode: LogprobsMode = "processed", accelerator: StepAccelerator | None = None,
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits`` (B, V), each the ``counts[row]``-th of its request. Returns (token ids
+    (B,) int64, logprobs (B,) float32). Rows at temperature 1 with no filter (all seeded or none) through
+    ``accelerator`` when given and it takes them, from the same draws."""
+    untouched = all(p.temperature in (0, 1) and p.top_k <= 0 and p.top_p >= 1 and p.min_p <= 0 for p in params)
+    seeded = [p.seed is not None for p in params]
+    keys = torch.tensor([int.from_bytes(hashlib.blake2b(f"{p.seed}-{n}".encode(), digest_size=8).digest(), signed=True)
+                         if p.seed is not None else 0 for p, n in zip(params, counts)]) if any(seeded) else None
+    if accelerator is not None and untouched and all(p.temperature for p in params) and all(seeded) != (keys is None):
+        if (sampled := accelerator.sample(logits, torch.rand(len(params)), keys)) is not None:
+            return sampled
+    raw = logits.float().log_softmax(dim=-1)
+    processed = raw if untouched else filter_logits(logits, params).log_softmax(dim=-1)
+    tokens = race(processed, keys) if all(seeded) else _inverted(processed, torch.rand(len(params)))
+    if keys is not None and not all(seeded):
+        tokens = torch.where(torch.tensor(seeded), race(processed, keys), tokens)
     greedy_rows = [p.temperature == 0 for p in params]
     if any(greedy_rows):
         greedy = torch.tensor(greedy_rows)

@@ -54,6 +54,9 @@ class AgentActor:
             self.started = True
         return await self.host.run_group(tasks)
 
+    def hold(self, held: bool) -> None:
+        self.host.hold(held)
+
     def stats(self) -> dict[str, float]:
         """The host's counts, and read together for the driver's per-step use fraction (`Usage`): this process's
         CPU seconds so far (the env, the chat server, tokenization: all agent-side work, every thread) and the

@@ -14,10 +14,12 @@ import os
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError
+import torch.distributed as dist
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from instar.algo import registered
 from instar.checks import choose_engine
@@ -28,6 +30,7 @@ from instar.runtime.engines import ENGINE_MAX_RESTARTS, EngineActor
 from instar.runtime.placement import Placement, nodes, plan, ray_options
 from instar.runtime.trainer_group import TrainerGroup
 from instar.train.launch import GenerationFlag
+from instar.train.weight_sync import ABANDONED
 
 CLOSE_TIMEOUT_S = 10.0
 """How long the agent runners and engines get to close before they are killed."""
@@ -181,6 +184,7 @@ class Cluster:
         await asyncio.gather(self.trainer.open_weight_sync(addr, port, world, device),
                              *(self._call(i, "join_weight_group", addr, port, 1 + i * per, world, device)
                                for i in range(len(self.engines))))
+        self.sync_store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=60))
 
     async def _call(self, i: int, method: str, *args: Any) -> Any:
         """Engine ``i``'s ``method``; while Ray restarts the engine, asked again until the new one answers."""
@@ -209,6 +213,8 @@ class Cluster:
             return _nothing()
         # From here the engines hold new requests until these weights are loaded: new groups may start now
         restarted = sum(await asyncio.gather(*(self._call(i, "prepare_sync") for i in range(len(self.engines)))))
+        for agent in self.agents:  # their rollouts' timeouts stop while the engines hold requests
+            agent.hold.remote(True)
         if restarted:  # a restarted engine is in no group: every member joins a new one
             self.engine_restarts += restarted
             await self._open_weight_sync()
@@ -218,7 +224,19 @@ class Cluster:
         received = [e.sync_weights.remote(version, in_flight) for e in self.engines]
 
         async def arrived() -> dict[str, float]:
-            results = await asyncio.gather(sent, *received)
+            calls = [asyncio.ensure_future(call) for call in (sent, *received)]
+            # an engine that died in the sync leaves the others waiting in its broadcast: they abandon it when the
+            # group's store says so, and all sync again once Ray has restarted it (a new group, with it)
+            await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
+            if any(call.done() and call.exception() for call in calls):
+                self.sync_store.set(ABANDONED, "1")
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            if errors := [r for r in results if isinstance(r, BaseException)]:
+                if not any(isinstance(error, RayActorError) for error in errors):
+                    raise errors[0]
+                return await (await self.start_sync(version, in_flight))
+            for agent in self.agents:
+                agent.hold.remote(False)
             return results[0] | {"weight_sync/engine_wait_s": max(results[1:]),
                                  "weight_sync/transfer_s": time.perf_counter() - t0,
                                  "faults/engine_restarts": float(self.engine_restarts)}

@@ -65,8 +65,13 @@ the policy update is the step's critical path (async, 8 x 8 x 48 tokens: 6.0k ->
 ENGINE_MAX_RESTARTS = 3
 """How many times Ray restarts a crashed engine actor in one run (the driver then gives it the weights)."""
 
+REQUEST_SLOTS = 100_000
+"""Request calls (`generate`, `generate_many`, `stream`) an engine actor serves at once, in a concurrency group of
+their own (Ray's default group holds 1,000 calls): held requests park in their slots while a weight sync waits, and
+the control calls (the sync itself, abort, load) run in the default group, so a flood of them never blocks it."""
 
-@ray.remote(max_restarts=ENGINE_MAX_RESTARTS)
+
+@ray.remote(max_restarts=ENGINE_MAX_RESTARTS, concurrency_groups={"requests": REQUEST_SLOTS})
 class EngineActor:
     def __init__(self, model_path: str, backend: str, cfg: EngineConfig, routing_replay: bool = False,
                  cpu_share: int = 1, cpu: CpuConfig | None = None):
@@ -86,9 +91,10 @@ class EngineActor:
         with warnings.catch_warnings():  # Ray's own property reads a deprecated one
             warnings.simplefilter("ignore", DeprecationWarning)
             self.stale = bool(ray.get_runtime_context().was_current_actor_reconstructed)
-        # Cleared by `prepare_sync` until the weights it announces are loaded: requests wait for them
-        self.weights_ready = asyncio.Event()
-        self.weights_ready.set()
+        # Replaced by `prepare_sync` until the weights it announces are loaded: requests wait for them. A
+        # thread-safe future: requests wait on their concurrency group's loop, `sync_weights` sets it from another
+        self.weights_ready: concurrent.futures.Future = concurrent.futures.Future()
+        self.weights_ready.set_result(None)
 
     def _on_engine(self, coro: Coroutine) -> asyncio.Future:
         """Run ``coro`` on the engine's loop; cancelling the returned future cancels it there."""
@@ -102,13 +108,16 @@ class EngineActor:
     async def _serving(self) -> None:
         """Before a request: refuse it on a restarted engine; hold it while announced weights are on their way."""
         self._check_serving()
-        await self.weights_ready.wait()  # returns at once, without a turn of the loop, when they are here
+        if not self.weights_ready.done():  # else at once, without a turn of the loop
+            await asyncio.shield(asyncio.wrap_future(self.weights_ready))  # one caller's cancel cancels it alone
 
+    @ray.method(concurrency_group="requests")
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        session_id: str | None = None, images: ImageInputs | None = None) -> Generation:
         await self._serving()
         return await self._on_engine(self.engine.generate(prompt_token_ids, sampling_params, session_id, images))
 
+    @ray.method(concurrency_group="requests")
     async def generate_many(self, requests: list[tuple[str, list[int], SamplingParams, str | None,
                                                        ImageInputs | None]], released: tuple[str, ...] = (),
                             ) -> AsyncIterator[list[tuple[str, Generation | BaseException]]]:
@@ -118,17 +127,19 @@ class EngineActor:
         of a call per request: a Ray call costs each side ~1 ms of CPU, as much as a short turn's sampling.
         ``abort(key)`` cancels one request; cancelling the generator cancels those left. ``released``: sessions
         that ended meanwhile (`release`), first."""
-        await self._serving()
-        self.release(*released)
+        held = {key: concurrent.futures.Future() for key, *_ in requests}  # `abort` cancels a held request too
+        self.requests.update(held)
         here = asyncio.get_running_loop()
         finished: asyncio.Queue = asyncio.Queue()
         pending: dict[str, concurrent.futures.Future] = {}
-        # each finished request is queued by its own callback: one wake per finish, never a scan of those left
-        for key, *args in requests:
-            future = asyncio.run_coroutine_threadsafe(self.engine.generate(*args), self.loop)
-            future.add_done_callback(lambda f, key=key: here.call_soon_threadsafe(finished.put_nowait, (key, f)))
-            pending[key] = self.requests[key] = future
         try:
+            await self._serving()
+            self.release(*released)
+            # each finished request is queued by its own callback: one wake per finish, never a scan of those left
+            for key, *args in (request for request in requests if not held[request[0]].cancelled()):
+                future = asyncio.run_coroutine_threadsafe(self.engine.generate(*args), self.loop)
+                future.add_done_callback(lambda f, key=key: here.call_soon_threadsafe(finished.put_nowait, (key, f)))
+                pending[key] = self.requests[key] = future
             while pending:
                 done = [await finished.get()]
                 if len(pending) > 1:  # more to come: what finishes in the next engine steps goes in this item
@@ -144,9 +155,7 @@ class EngineActor:
                 if item:
                     yield item
         finally:
-            for key, future in pending.items():
-                self.requests.pop(key, None)
-                future.cancel()
+            self.abort(*(key for key, *_ in requests))
 
     def abort(self, *keys: str) -> None:
         """Cancel requests of `generate_many` (their callers went away)."""
@@ -154,6 +163,7 @@ class EngineActor:
             if (future := self.requests.pop(key, None)) is not None:
                 future.cancel()
 
+    @ray.method(concurrency_group="requests")
     async def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                      session_id: str | None = None, images: ImageInputs | None = None,
                      ) -> AsyncIterator[Sampled | Generation]:
@@ -186,7 +196,8 @@ class EngineActor:
         """The first call of a weight sync: requests that arrive from now on wait until `sync_weights` has
         loaded the weights, so the driver may hand out new prompt groups at once and they still sample the
         new policy (the agent runners' work and their calls overlap the broadcast). Returns `needs_weights`."""
-        self.weights_ready.clear()
+        if self.weights_ready.done():  # else a failed sync's requests still wait for it
+            self.weights_ready = concurrent.futures.Future()
         return self.stale
 
     def load(self) -> EngineLoad:
@@ -213,7 +224,8 @@ class EngineActor:
     async def sync_weights(self, version: int, mode: PauseMode) -> float:
         """Pause (keep or drain), receive one broadcast from trainer rank 0, load it, resume; returns the
         seconds it waited for the engine's loop. One coroutine there: a busy engine's loop turns once per
-        step, and every hop onto it waits for one."""
+        step, and every hop onto it waits for one. A sync that fails (another member died: the broadcast is
+        abandoned) leaves the engine paused and holding requests, its weights half loaded, until the next."""
         called = time.perf_counter()
 
         async def sync() -> float:
@@ -223,11 +235,9 @@ class EngineActor:
             await self.engine.resume()
             return waited
 
-        try:
-            waited = await self._on_engine(sync())
-            self.stale = False
-        finally:  # a failed sync fails the run: the requests held meanwhile must not hang until then
-            self.weights_ready.set()
+        waited = await self._on_engine(sync())
+        self.stale = False
+        self.weights_ready.set_result(None)
         return waited
 
     async def close(self) -> None:

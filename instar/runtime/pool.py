@@ -36,10 +36,11 @@ from instar.runtime.agents import AGENT_MAX_RESTARTS
 
 
 def group_tasks(prompt: Prompt, group_id: int, n: int, sampling: SamplingParams, id_prefix: str) -> list[Task]:
-    """The ``n`` rollouts of one prompt, with rollout ids ``{id_prefix}0`` .. ``{id_prefix}{n-1}``."""
+    """The ``n`` rollouts of one prompt, with rollout ids ``{id_prefix}0`` .. ``{id_prefix}{n-1}``; a seeded
+    ``sampling`` gives rollout k the seed derived from its seed, ``group_id`` and k."""
     return [Task(prompt=prompt.messages, label=prompt.label, tools=prompt.tools, images=prompt.images,
-                 metadata=prompt.metadata, chat=prompt.chat, prompt_index=prompt.index,
-                 group_id=group_id, rollout_id=f"{id_prefix}{k}", sampling_params=sampling) for k in range(n)]
+                 metadata=prompt.metadata, chat=prompt.chat, prompt_index=prompt.index, group_id=group_id,
+                 rollout_id=f"{id_prefix}{k}", sampling_params=sampling.derived(group_id, k)) for k in range(n)]
 
 
 @dataclass
@@ -148,7 +149,16 @@ class RolloutPool:
         if task.cancelled():
             return
         error = task.exception()
-        if isinstance(error, RayActorError) and not isinstance(error, ActorDiedError):
+        if error is None:
+            self.agents_down.discard(agent)
+            group.trajectories = task.result()
+            self.done.append(group)
+            self.fill()
+        elif isinstance(error, ActorDiedError):
+            self.error = RuntimeError(f"agent runner {agent} is dead and Ray no longer restarts it (it died more "
+                                      f"than {AGENT_MAX_RESTARTS} times this run); see its log above")
+            self.error.__cause__ = error
+        elif isinstance(error, RayActorError):
             # The runner died and Ray restarts it (user-code errors never get here: they drop one rollout)
             if agent not in self.agents_down:  # its other groups in flight died with it: one restart
                 self.agent_restarts += 1
@@ -156,19 +166,8 @@ class RolloutPool:
             if not relaunched:  # a relaunch may fail again while Ray restarts the runner: one requeue
                 self.requeued_groups += 1
             self._start(group, tasks, agent, relaunch=True)
-            return
-        if isinstance(error, ActorDiedError):
-            self.error = RuntimeError(f"agent runner {agent} is dead and Ray no longer restarts it (it died more "
-                                      f"than {AGENT_MAX_RESTARTS} times this run); see its log above")
-            self.error.__cause__ = error
-            return
-        if error is not None:  # raised by next_batch, in the loop
+        else:  # raised by next_batch, in the loop
             self.error = error
-            return
-        self.agents_down.discard(agent)
-        group.trajectories = task.result()
-        self.done.append(group)
-        self.fill()
 
     async def next_batch(self, n: int) -> list[Group]:
         """Wait until the `n` oldest groups (in launch order) have finished and return them; the rest stay for

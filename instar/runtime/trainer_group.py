@@ -16,7 +16,7 @@ import torch
 from ray.exceptions import RayActorError
 from torch import Tensor
 
-from instar.config import RLConfig, SFTConfig
+from instar.config import RLConfig
 from instar.contract import Sample
 from instar.runtime.placement import Slot, nodes, plan, ray_options
 from instar.train import checkpoint
@@ -63,15 +63,14 @@ class _Rank(TrainWorker):
 
 
 class TrainerGroup:
-    def __init__(self, ranks: list[Any], checkpoints: str, data_size: int, share_prefix: bool) -> None:
-        """``checkpoints``: the run's checkpoint directory, named when a rank dies."""
-        self.ranks, self.checkpoints = ranks, checkpoints
+    def __init__(self, ranks: list[Any], cfg: RLConfig) -> None:
+        """``cfg``: the run's; its data-parallel ranks and --train.share_prefix shard the per-sample passes."""
+        self.ranks, self.cfg = ranks, cfg
+        self.checkpoints = os.path.join(cfg.ckpt.output_dir, "checkpoints")  # named when a rank dies
         self.broken = False  # a call failed: ranks may be stuck in a collective, shutdown kills them
-        self.data_size = data_size  # ranks that see different samples (--fsdp.num_ranks / (tp x cp))
-        self.share_prefix = share_prefix  # shard so that a group's samples stay together (--train.share_prefix)
 
     @classmethod
-    async def start(cls, cfg: RLConfig | SFTConfig, ref_path: str | None = None, critic: bool = False,
+    async def start(cls, cfg: RLConfig, ref_path: str | None = None, critic: bool = False,
                     slots: list[Slot] | None = None, generation: str | None = None) -> TrainerGroup:
         """Start ``--fsdp.num_ranks`` actors (one GPU each when the cluster has GPUs), join them into
         one process group rooted at rank 0's node, load and shard the models. Each rank computes with
@@ -81,12 +80,12 @@ class TrainerGroup:
         themselves only."""
         slots = slots or plan(nodes(), 0, 0, cfg.fsdp.num_ranks).ranks
         actor = ray.remote(_Rank)
-        critic_cfg = cfg.critic if critic else None  # only an RLConfig has a critic section
+        # the critic's section only when asked for: only an RLConfig has one
         ranks = [actor.options(**ray_options(s)).remote(
-            cfg.actor, cfg.fsdp, cfg.train, critic_cfg, ref_path, cfg.cpu, cpu_share=s.cpu_share,
+            cfg.actor, cfg.fsdp, cfg.train, cfg.critic if critic else None, ref_path, cfg.cpu, cpu_share=s.cpu_share,
             idle_share=sum(o.node_id == s.node_id for o in slots), generation=generation) for s in slots]
         addr, port = await ranks[0].address.remote()
-        group = cls(ranks, os.path.join(cfg.ckpt.output_dir, "checkpoints"), cfg.fsdp.data_size, cfg.train.share_prefix)
+        group = cls(ranks, cfg)
         await group._all("init", *[(r, len(ranks), addr, port) for r in range(len(ranks))])
         return group
 
@@ -118,9 +117,9 @@ class TrainerGroup:
     async def _per_sample(self, method: str, samples: list[Sample], *rest: Any) -> list[Tensor]:
         """One shard per data-parallel rank; the cp x tp ranks of a data shard (consecutive ranks, see
         `instar.train.parallel`) compute it together, and the first of them answers."""
-        group = len(self.ranks) // self.data_size
-        shards = shard_samples([len(s.token_ids) for s in samples], self.data_size,
-                               [identity(s) for s in samples] if self.share_prefix else None)
+        group = len(self.ranks) // self.cfg.fsdp.data_size
+        shards = shard_samples([len(s.token_ids) for s in samples], self.cfg.fsdp.data_size,
+                               [identity(s) for s in samples] if self.cfg.train.share_prefix else None)
         results = await self._all(method, *[([samples[i] for i in shards[r // group]], *rest)
                                             for r in range(len(self.ranks))])
         out = {i: v for shard, values in zip(shards, results[::group]) for i, v in zip(shard, values)}

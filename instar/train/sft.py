@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from instar.config import SFTConfig
+from instar.config import ConfigError, SFTConfig, TrainConfig
 from instar.contract import Sample
 from instar.data.chat import load_tokenizer, read_template
 from instar.data.images import Vision
@@ -35,7 +35,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, float]:
     checkpoints and the final HF export (``hf/``) into ``--ckpt.output_dir``. Returns the last
     step's metrics. One rank runs in this process; more are spawned locally."""
     if cfg.sft.batch_size < cfg.fsdp.num_ranks:
-        raise ValueError(f"--sft.batch_size {cfg.sft.batch_size} must be >= --fsdp.num_ranks {cfg.fsdp.num_ranks}")
+        raise ConfigError(f"--sft.batch_size {cfg.sft.batch_size} must be >= --fsdp.num_ranks {cfg.fsdp.num_ranks}")
     read_template(cfg.sft.chat_template, cfg.sft.chat_template_kwargs, "sft")  # fails here, not in each rank
     if cfg.fsdp.num_ranks == 1:
         threads = torch.get_num_threads()
@@ -71,9 +71,10 @@ def _sft_rank(rank: int, world: int, port: int, cfg: SFTConfig) -> dict[str, flo
     train, held_out = _split(samples, cfg.sft.eval_fraction, cfg.actor.seed)
     steps_per_epoch = len(train) // cfg.sft.batch_size  # the incomplete last batch is dropped
     if steps_per_epoch == 0:
-        raise ValueError(f"{len(train)} training conversations cannot fill one --sft.batch_size {cfg.sft.batch_size}")
+        raise ConfigError(f"{len(train)} training conversations cannot fill one --sft.batch_size {cfg.sft.batch_size}")
     total = cfg.sft.epochs * steps_per_epoch
-    worker = TrainWorker(cfg.actor, cfg.fsdp, replace(cfg.train, max_steps=total), cpu=cfg.cpu)
+    schedule = TrainConfig(max_steps=total, max_tokens_per_gpu=cfg.sft.max_tokens_per_gpu)  # no other --train.* here
+    worker = TrainWorker(cfg.actor, cfg.fsdp, schedule, cpu=cfg.cpu)
     worker.init(rank, world, "127.0.0.1", port)
     ckpt_dir, out = os.path.join(cfg.ckpt.output_dir, "checkpoints"), cfg.ckpt.output_dir
     path = checkpoint.latest(ckpt_dir) if cfg.ckpt.load_enable else None

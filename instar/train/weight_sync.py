@@ -31,6 +31,14 @@ from instar.train.launch import open_store
 
 ALIGN = 64  # a tensor's offset in its bucket: any dtype can then view its bytes in place
 
+ABANDONED = "instar_sync_abandoned"
+"""Set in a group's store once one of its members died (the driver found it): the others leave the broadcast."""
+_abandoned: list[SyncGroup] = []  # kept: a dropped gloo group waits in its destructor for the stuck broadcast
+
+
+class SyncAbandoned(RuntimeError):
+    """This weight sync's broadcast is broken (a member died): its members left it; the driver syncs again."""
+
 
 @dataclass
 class SyncGroup:
@@ -67,7 +75,20 @@ def open_sync_group(master_addr: str, master_port: int, rank: int, world_size: i
 
 
 def _broadcast(group: SyncGroup, tensor: Tensor) -> Tensor:
-    group.pg.broadcast(tensor, 0).wait()
+    """Polled rather than waited for: a member that died would hold the others until the group's timeout."""
+    work, pause, waited = group.pg.broadcast(tensor, 0), 1e-4, 0.0
+    try:
+        while not work.is_completed():
+            if waited > 1.0 and group.store.check([ABANDONED]):
+                group.pg.abort()  # NCCL's kernels stop (gloo's broadcast stays stuck until the group's timeout)
+                raise SyncAbandoned("a member of the weight-sync group died: its broadcast is abandoned")
+            time.sleep(pause)
+            waited, pause = waited + pause, min(2 * pause, 0.05)
+        work.wait()
+    except RuntimeError as error:  # ours, or gloo's when a member died (its connection closed): all leave
+        _abandoned.append(group)
+        group.store.set(ABANDONED, "1")
+        raise SyncAbandoned(f"the weight-sync broadcast is abandoned: {error}") from error
     return tensor
 
 

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from instar.config import ActorConfig, CpuConfig, CriticConfig, FSDPConfig, TrainConfig
 from instar.contract import Sample
-from instar.train import checkpoint, lora, weight_sync
+from instar.train import checkpoint, lora, parallel, weight_sync
 from instar.train.attention import packed_rows
 from instar.train.batch import (
     ROW_MULTIPLE,
@@ -39,15 +39,6 @@ from instar.train.load import load_sharded
 from instar.train.model import forward_logits, token_logprobs
 from instar.train.moe import freeze_routers, replay_routes
 from instar.train.optim import build_optimizer, build_scheduler
-from instar.train.parallel import (
-    Layout,
-    all_gather_objects,
-    all_reduce,
-    build_layout,
-    clip_grad_norm,
-    device_type,
-    init_distributed,
-)
 
 
 @dataclass
@@ -80,11 +71,11 @@ class TrainWorker:
 
     def init(self, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
         """Join the process group, load and shard the models, build optimizers."""
-        init_distributed(rank, world_size, master_addr, master_port)
-        self.rank, self.device = rank, device_type()
+        parallel.init_distributed(rank, world_size, master_addr, master_port)
+        self.rank, self.device = rank, parallel.device_type()
         torch.manual_seed(self.actor.seed)
-        self.layout: Layout = build_layout(self.fsdp)
-        self.cp_group = self.layout.mesh["cp"].get_group() if self.layout.size("cp") > 1 else None
+        self.layout: parallel.Layout = parallel.build_layout(self.fsdp)
+        self.cp_group = self.layout.mesh["cp"].get_group() if self.layout.size["cp"] > 1 else None
         a = self.actor
         self.policy = self._load(a.model_name_or_path, freeze_routers if a.freeze_moe_router else None,
                                  lora_adapters=a.lora_rank > 0)
@@ -109,8 +100,7 @@ class TrainWorker:
 
     def _load(self, path: str, prepare: Callable[[nn.Module], Any] | None = None, value_model: bool = False,
               lora_adapters: bool = False) -> nn.Module:
-        return load_sharded(path, self.actor, self.fsdp, self.layout, self.cpu, self.device, prepare, value_model,
-                            lora_adapters)
+        return load_sharded(path, self.actor, self.fsdp, self.layout, self.cpu, prepare, value_model, lora_adapters)
 
     # ---- forward passes -------------------------------------------------------------------------
 
@@ -129,7 +119,7 @@ class TrainWorker:
             kinds.append([[part[j] for j in bin_] for bin_ in plan])
         if not any(kinds):
             raise ValueError(f"trainer rank {self.rank} got no samples; give every rank at least one")
-        counts = [int(c) for c in all_reduce([len(plan) for plan in kinds], op="max")]
+        counts = [int(c) for c in parallel.all_reduce([len(plan) for plan in kinds], op="max")]
         for plan, count, backward in zip(kinds, counts, (False, True)):
             spare = plan or kinds[0] or kinds[1]  # a rank with none of this kind repeats another pass
             for k in range(count):
@@ -160,9 +150,7 @@ class TrainWorker:
             logits = forward_logits(net, mb.input_ids, mb.position_ids, positions, mb.attention_kwargs,
                                     mb.images, mb.rope)
             logp, entropy = token_logprobs(logits, targets, temperature, with_entropy)
-        else:
-            if mb.images is not None:
-                raise ValueError("context parallelism (--fsdp.cp_size > 1) does not split rows with images yet")
+        else:  # no images here: context parallelism refuses vision-language models (`checks.check_layout`)
             c = split_row(mb.input_ids, mb.position_ids, mb.segments, self.cp_group, positions)
             logits = forward_logits(net, c.input_ids, c.position_ids, c.local, c.attention)
             logp, entropy = token_logprobs(logits, targets[c.mine], temperature, with_entropy)
@@ -244,7 +232,7 @@ class TrainWorker:
 
         def after_first_update() -> None:  # later updates (and epochs) compare against the same old policy
             if len(updates) > 1:
-                for part in all_gather_objects(captured):
+                for part in parallel.all_gather_objects(captured):
                     old.update(part)
         return self._updates(self.policy, self.optimizer, self.scheduler, samples, inputs, updates, loss_of, "actor",
                              after_first_update, set(forward_only or ()))
@@ -278,7 +266,7 @@ class TrainWorker:
 
     def sum_over_data(self, values: list[float]) -> list[float]:
         """Sums over the data-parallel ranks of what each data shard computed (counted once per shard)."""
-        return all_reduce([v if self.layout.lead else 0.0 for v in values])
+        return parallel.all_reduce([v if self.layout.lead else 0.0 for v in values])
 
     def _updates(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, samples: list[Sample],
                  inputs: StepInputs, updates: list[list[int]], loss_of: Callable, prefix: str,
@@ -315,7 +303,7 @@ class TrainWorker:
             if all(p.grad is None for p in trained):  # every pass was forward only: the gradient is zero,
                 for p in trained:  # and the optimizer steps on it as it would have (momentum, weight decay)
                     p.grad = torch.zeros_like(p)
-            grad_norm = clip_grad_norm(trained, clip)  # global: every rank skips alike
+            grad_norm = parallel.clip_grad_norm(trained, clip)  # global: every rank skips alike
             if math.isfinite(grad_norm):  # a NaN or inf gradient would make every weight NaN: skip the update
                 optimizer.step()
             names = sorted(sums)
@@ -354,7 +342,10 @@ class TrainWorker:
         ``background``: see `weight_sync.send_weights` (the next call here may start meanwhile)."""
         # under LoRA only the adapted layers change: they go merged, and the engines keep the rest
         named = lora.merged_weights(self.policy) if self.actor.lora_rank else self.policy.named_parameters()
-        return weight_sync.send_weights(named, self.sync_group, bucket_mb, background=background)
+        try:
+            return weight_sync.send_weights(named, self.sync_group, bucket_mb, background=background)
+        except weight_sync.SyncAbandoned:  # an engine died in it: the driver syncs again, in a new group
+            return {"weight_sync/abandoned": 1.0}
 
     def save(self, root: str, extra: dict[str, Any] | None = None, max_num: int = 0) -> str:
         meta = {"scheduler": self.scheduler.state_dict(), "policy_step": self.step, "extra": extra or {}}
