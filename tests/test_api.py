@@ -97,4 +97,4 @@ def test_sft_takes_the_command_flags_and_raises_instead_of_exiting(tmp_path):
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(ConfigError, match=f"--ckpt.output_dir {tmp_path} already holds a run"):
-        instar.sft(["--ckpt.output_dir", str(tmp_path)])
+        instar.sft(["--sft.dataset", "unused.jsonl", "--ckpt.output_dir", str(tmp_path)])

@@ -229,8 +229,8 @@ def test_sft_with_lora_learns_and_exports_an_adapter(tiny_model_dir, tmp_path):
             for a in range(10, 90)]
     (tmp_path / "task.jsonl").write_text("".join(json.dumps(t) + "\n" for t in task))
     cfg = SFTConfig(actor=ActorConfig(model_name_or_path=str(tiny_model_dir), learning_rate=1e-2, lora_rank=8),
-                    sft=SFTSection(dataset=str(tmp_path / "task.jsonl"), batch_size=16, epochs=3, eval_fraction=0.2),
-                    fsdp=FSDPConfig(num_ranks=1), train=TrainConfig(max_tokens_per_gpu=128),
+                    sft=SFTSection(dataset=str(tmp_path / "task.jsonl"), batch_size=16, epochs=3, eval_fraction=0.2,
+                                   max_tokens_per_gpu=128), fsdp=FSDPConfig(num_ranks=1),
                     ckpt=CkptConfig(output_dir=str(tmp_path / "out")))
     last = run_sft(cfg)
     first = json.loads((tmp_path / "out/metrics.jsonl").read_text().splitlines()[0])

@@ -8,7 +8,7 @@ from unittest.mock import Mock
 
 import pytest
 
-from instar.config import ActorConfig, CkptConfig, FSDPConfig, LogConfig, SFTConfig, SFTSection, TrainConfig
+from instar.config import ActorConfig, CkptConfig, FSDPConfig, LogConfig, SFTConfig, SFTSection
 from instar.train.run_dir import MetricsLogger
 from instar.train.sft import run_sft
 
@@ -87,8 +87,8 @@ def test_sft_reports_to_tensorboard_and_wandb_and_a_resumed_sft_continues_its_wa
     def sft(epochs: int, resume: bool) -> dict:  # 32 training conversations / 8 = 4 steps an epoch
         return run_sft(SFTConfig(
             actor=ActorConfig(model_name_or_path=str(tiny_model_dir)), fsdp=FSDPConfig(num_ranks=1),
-            sft=SFTSection(dataset=str(tmp_path / "task.jsonl"), batch_size=8, epochs=epochs, eval_fraction=0.2),
-            train=TrainConfig(max_tokens_per_gpu=128), ckpt=CkptConfig(output_dir=str(tmp_path), load_enable=resume),
+            sft=SFTSection(dataset=str(tmp_path / "task.jsonl"), batch_size=8, epochs=epochs, eval_fraction=0.2,
+                           max_tokens_per_gpu=128), ckpt=CkptConfig(output_dir=str(tmp_path), load_enable=resume),
             log=LogConfig(tensorboard=True, wandb_project="instar-test")))
 
     assert sft(1, False)["step"] == 4

@@ -147,10 +147,10 @@ def evaluate(config: RLConfig | Sequence[str]) -> dict[str, float]:
     from instar.loop import evaluate as run_eval
 
     cfg = _config("eval", config)
+    read_template(cfg.data.chat_template, cfg.data.chat_template_kwargs, "data")  # here, not in each agent runner
     if not cfg.eval.dataset:
         raise ConfigError("--eval.dataset is required: the prompts (with labels) to evaluate on")
     _check_inputs(cfg, prompts_given=True)  # the prompts are --eval.dataset's
-    read_template(cfg.data.chat_template, cfg.data.chat_template_kwargs, "data")  # here, not in each agent runner
     return _outside_event_loop(run_eval, cfg)
 
 
