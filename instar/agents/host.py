@@ -39,7 +39,6 @@ class AgentHost:
         """``error_reward``: keep a rollout whose agent code raised, with this reward (None: drop it)."""
         self.runner, self.agent_timeout, self.system_prompt = runner, agent_timeout, system_prompt
         self.error_reward = error_reward
-        self.max_len = max_len
         self.server = ChatServer(engine, tokenizer, model_name=model_name, max_len=max_len,
                                  max_new_tokens=max_new_tokens, tool_parser=tool_parser, vision=vision)
         self.counts: Counter[str] = Counter()  # cancelled, dropped_<reason>, kept_error_<Type>
@@ -112,7 +111,7 @@ class AgentHost:
             self.server.engine.release(session.untraced_id)
         transcript = session.transcript
         if not transcript.segments and transcript.truncated:
-            return self._drop("prompt_too_long", task, f"the prompt does not fit in --data.max_len={self.max_len}")
+            return self._drop("prompt_too_long", task, f"prompt does not fit in --data.max_len={transcript.max_len}")
         finish = "length" if transcript.truncated else "abort" if transcript.last_finish_reason == "abort" else "stop"
         traj = Trajectory(transcript.segments, reward=result.reward, score=result.score, info=result.info,
                           group_id=task.group_id, rollout_id=task.rollout_id, prompt_index=task.prompt_index,

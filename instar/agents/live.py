@@ -81,7 +81,6 @@ class LiveText:
 
 def _opening(text: str, start: str) -> int:
     """Where ``start`` first occurs in ``text``, or begins at its end (the rest may still come); else len(text)."""
-    cut = text.find(start)
-    if cut >= 0:
+    if (cut := text.find(start)) >= 0:
         return cut
     return next((i for i in range(max(len(text) - len(start), 0), len(text)) if start.startswith(text[i:])), len(text))

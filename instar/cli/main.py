@@ -94,11 +94,10 @@ def _check_inputs(cfg: RLConfig, prompts_given: bool = False, reward_fns: Sequen
             raise ConfigError(f"--{flag} {path!r} {problem}; give an HF checkpoint directory")
     if not (prompts_given or cfg.data.prompt_dataset or cfg.train.rollout_replay_dir):
         raise ConfigError("--data.prompt_dataset is required: a JSONL/Parquet file, a directory or a hub dataset")
-    prompts = None if prompts_given else cfg.data.prompt_dataset
-    sources = {"data.prompt_dataset": prompts, "eval.dataset": cfg.eval.dataset}
-    for flag, source in sources.items():
-        if source is not None:
-            source_kind(source, flag)
+    if cfg.data.prompt_dataset and not prompts_given:
+        source_kind(cfg.data.prompt_dataset, "data.prompt_dataset")
+    if cfg.eval.dataset:
+        source_kind(cfg.eval.dataset, "eval.dataset")
     if cfg.train.rollout_replay_dir:  # trains from a dump: no agent runs
         return
     fns = [*cfg.train.reward_fns, *reward_fns]

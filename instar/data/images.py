@@ -34,18 +34,13 @@ def data_url(image: Any, base_dir: str | Path | None = None, where: str = "image
         return image
     if isinstance(image, dict):  # a `datasets` Image column's record
         image = image.get("bytes") or image.get("path") or image
-    if isinstance(image, (bytes, bytearray)):
-        return _png_url(_open(bytes(image), where))
-    if isinstance(image, str):
+    if isinstance(image, str):  # a file, else base64
         path = Path(base_dir or ".") / image
-        if len(image) < 4096 and path.is_file():
-            return _png_url(_open(path.read_bytes(), where))
-        try:
-            raw = base64.b64decode(image, validate=True)
-        except ValueError:  # binascii.Error is a ValueError
-            raise ConfigError(f"{where}: {image[:80]!r} is neither a file (looked in {path.parent}) nor base64 "
-                              "image data") from None
-        return _png_url(_open(raw, where))
+        is_file = len(image) < 4096 and path.is_file()
+        image = path.read_bytes() if is_file else _base64(
+            image, f"{where}: {image[:80]!r} is neither a file (looked in {path.parent}) nor base64 image data")
+    if isinstance(image, (bytes, bytearray)):
+        image = _open(bytes(image), where)
     if hasattr(image, "save") and hasattr(image, "mode"):  # a PIL image
         return _png_url(image)
     raise ConfigError(f"{where}: an image must be a PIL image, bytes, a data URL, base64 or a file path, "
@@ -57,11 +52,15 @@ def load_image(url: str, where: str = "image") -> Any:
     head, _, payload = url.partition(",")
     if not head.startswith("data:") or not payload:
         raise ConfigError(f"{where}: expected a data URL (data:image/...;base64,...), got {url[:60]!r}")
+    return _open(_base64(payload, f"{where}: the data URL's payload is not base64"), where)
+
+
+def _base64(text: str, error: str) -> bytes:
+    """The bytes ``text`` encodes; a `ConfigError` saying ``error`` when it is not base64."""
     try:
-        raw = base64.b64decode(payload, validate=True)
+        return base64.b64decode(text, validate=True)
     except ValueError:  # binascii.Error is a ValueError
-        raise ConfigError(f"{where}: the data URL's payload is not base64") from None
-    return _open(raw, where)
+        raise ConfigError(error) from None
 
 
 def _open(raw: bytes, where: str) -> Any:
@@ -93,8 +92,7 @@ def normalise(messages: list[Message], base_dir: str | Path | None = None, where
     `data_url` reads); messages without images come back as they are."""
     out = []
     for k, message in enumerate(messages):
-        content = message.get("content")
-        if isinstance(content, list) and any(_is_image(p) for p in content):
+        if isinstance(content := message.get("content"), list) and any(_is_image(p) for p in content):
             parts = [image_part(_source(p), base_dir, f"{where} message {k} part {i}") if _is_image(p) else p
                      for i, p in enumerate(content)]
             message = {**message, "content": parts}
