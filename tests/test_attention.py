@@ -74,6 +74,18 @@ def test_auto_picks_flex_only_on_gpu(tiny_model_dir):
     assert attention_for(tiny_model_dir, "packed") == "instar_packed"
 
 
+def test_molts_te_value_runs_the_fastest_attention_here_and_says_which(tiny_model_dir, capsys):
+    """TransformerEngine is installed neither here nor on our GPU machines: te falls back, in one printed line."""
+    from instar.cli.main import parse
+
+    fastest = "flash_attention_2" if GPU and importlib.util.find_spec("flash_attn") else ("flex_attention" if GPU
+                                                                                           else "instar_packed")
+    assert attention_for(tiny_model_dir, "te") == fastest
+    assert capsys.readouterr().out == f"instar: --fsdp.attn_implementation te (TransformerEngine) runs {fastest}, " \
+                                      "the fastest attention here\n"
+    assert parse(["rl", "--fsdp.attn_implementation", "te"])[1].fsdp.attn_implementation == "te"
+
+
 @pytest.mark.parametrize("lengths", [[40, 37, 29, 40], [90, 3, 5, 2]])  # one padded call / one call per sequence
 def test_packed_attention_equals_per_sequence_sdpa_with_gradients(lengths):
     from instar.train.attention import packed_attention

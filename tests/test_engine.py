@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers.engine import PROMPTS, hf_greedy, hf_logprobs, perturbed, run_engine, swap_mid_turn
+from helpers.engine import DEVICES, PROMPTS, hf_greedy, hf_logprobs, perturbed, run_engine, swap_mid_turn
 from transformers import AutoModelForCausalLM
 
 from instar.config import EngineConfig
@@ -21,15 +21,16 @@ def moe(tiny_moe_dir):
 
 # max_num_seqs=2 makes requests queue and join the batch as others leave; a tiny prefill budget splits
 # the prefills into several forwards.
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cfg", [EngineConfig(), EngineConfig(max_num_seqs=2, max_num_batched_tokens=16)])
-def test_greedy_matches_hf_generate(dense, cfg):
+def test_greedy_matches_hf_generate(dense, cfg, device):
     eos = dense.config.eos_token_id
     params = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[eos])
 
     async def body(engine):
         return await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS))
 
-    for prompt, gen in zip(PROMPTS, run_engine(dense, body, cfg)):
+    for prompt, gen in zip(PROMPTS, run_engine(dense, body, cfg, device)):
         assert gen.token_ids == hf_greedy(dense, prompt, 12)
         assert gen.finish_reason == ("stop" if gen.token_ids[-1] == eos else "length")
         assert gen.versions == [0] * len(gen.token_ids)
@@ -37,14 +38,15 @@ def test_greedy_matches_hf_generate(dense, cfg):
         assert torch.allclose(torch.tensor(gen.logprobs), hf_logprobs(dense, prompt, gen.token_ids), atol=1e-4)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode,temperature,top_k", [("processed", 0.7, -1), ("raw", 0.7, -1), ("processed", 1.3, 5)])
-def test_logprobs_match_full_forward(dense, mode, temperature, top_k):
+def test_logprobs_match_full_forward(dense, mode, temperature, top_k, device):
     params = SamplingParams(temperature=temperature, top_k=top_k, max_tokens=10, seed=3)
 
     async def body(engine):
         return await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS))
 
-    for prompt, gen in zip(PROMPTS, run_engine(dense, body, EngineConfig(logprobs_mode=mode))):
+    for prompt, gen in zip(PROMPTS, run_engine(dense, body, EngineConfig(logprobs_mode=mode), device)):
         with torch.no_grad():
             logits = dense(torch.tensor([prompt + gen.token_ids])).logits[0, len(prompt) - 1:-1]
         if mode == "raw":
@@ -59,7 +61,8 @@ def test_logprobs_match_full_forward(dense, mode, temperature, top_k):
         assert (torch.tensor(gen.logprobs) - expected).abs().max() < 1e-4
 
 
-def test_seed_reproduces_samples_whatever_the_batch(dense):
+@pytest.mark.parametrize("device", DEVICES)
+def test_seed_reproduces_samples_whatever_the_batch(dense, device):
     params = SamplingParams(temperature=1.0, max_tokens=16, seed=1234)
 
     async def body(engine):
@@ -68,7 +71,7 @@ def test_seed_reproduces_samples_whatever_the_batch(dense):
                                      engine.generate(PROMPTS[1], params))
         return alone, crowd
 
-    alone, crowd = run_engine(dense, body)
+    alone, crowd = run_engine(dense, body, device=device)
     assert crowd[-1].token_ids == alone.token_ids
     assert crowd[-1].logprobs == pytest.approx(alone.logprobs, abs=1e-5)
     assert crowd[1].token_ids != alone.token_ids  # seed 1 instead of 1234
@@ -87,7 +90,8 @@ def test_stop_token_ends_the_turn(dense):
     assert gen.finish_reason == "stop"
 
 
-def test_weight_update_during_keep_pause(dense):
+@pytest.mark.parametrize("device", DEVICES)
+def test_weight_update_during_keep_pause(dense, device):
     new_model = perturbed(dense)
     prompt = PROMPTS[2]
 
@@ -99,7 +103,7 @@ def test_weight_update_during_keep_pause(dense):
             assert engine._running[0].num_sampled == before
         return await swap_mid_turn(engine, "keep", new_model, prompt, frozen)
 
-    before, gen = run_engine(dense, body)
+    before, gen = run_engine(dense, body, device=device)
     assert gen.versions == [0] * before + [1] * (12 - before)
     old_part, new_part = gen.token_ids[:before], gen.token_ids[before:]
     assert old_part == hf_greedy(dense, prompt, before)
@@ -255,7 +259,8 @@ def test_short_request_joins_and_leaves_a_running_batch(dense):
     assert long.token_ids == hf_greedy(dense, PROMPTS[3], 40)
 
 
-def test_requests_leaving_from_the_middle_keep_the_others_exact(dense):
+@pytest.mark.parametrize("device", DEVICES)
+def test_requests_leaving_from_the_middle_keep_the_others_exact(dense, device):
     """Requests that finish early free slots among running ones; the engine moves the last running
     request into the hole (its cached keys with it), and a request that arrives later joins at the end:
     every turn still equals HF's greedy decode of its own prompt, and the running slots stay 0..R-1."""
@@ -271,7 +276,7 @@ def test_requests_leaving_from_the_middle_keep_the_others_exact(dense):
         late = await engine.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=6))
         return await asyncio.gather(*first), late
 
-    first, late = run_engine(dense, body)
+    first, late = run_engine(dense, body, device=device)
     for i, (n, gen) in enumerate(zip(lengths, first)):
         assert gen.token_ids == hf_greedy(dense, PROMPTS[i % 4], n)
         assert torch.allclose(torch.tensor(gen.logprobs), hf_logprobs(dense, PROMPTS[i % 4], gen.token_ids), atol=1e-4)

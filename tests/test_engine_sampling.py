@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers.engine import LOGITS, analytic
+from helpers.engine import DEVICES, LOGITS, analytic
 
 from instar.contract import SamplingParams
 from instar.engines.sampling import filter_logits, race, sample
@@ -54,12 +54,14 @@ def test_greedy_returns_argmax_and_raw_logprob():
         assert torch.allclose(logprobs, LOGITS.log_softmax(-1)[0].expand(2))
 
 
-def test_the_race_is_golden():
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_race_is_golden(device):
     # splitmix64 of key + id * golden ratio, top 24 bits, Gumbel noise; pinned so that a change of the hash shows
-    keys = torch.tensor([0, 1, -5, 2**62, 123456789])
-    logprobs = LOGITS.log_softmax(-1).expand(5, 6)
+    keys = torch.tensor([0, 1, -5, 2**62, 123456789], device=device)
+    logprobs = LOGITS.log_softmax(-1).expand(5, 6).to(device)
     assert race(logprobs, keys).tolist() == GOLDEN_RACE
-    assert race(torch.zeros(1, 6), keys[:1]).tolist() == race(torch.zeros(2, 6), keys[:2]).tolist()[:1]
+    one, two = torch.zeros(1, 6, device=device), torch.zeros(2, 6, device=device)
+    assert race(one, keys[:1]).tolist() == race(two, keys[:2]).tolist()[:1]
 
 
 def test_seeded_rows_sample_alike_whatever_shares_the_batch():
@@ -87,7 +89,7 @@ def test_seeded_rows_sample_alike_whatever_shares_the_batch():
 def test_a_draw_that_rounds_to_the_total_takes_the_last_token_with_probability(monkeypatch):
     # u * total rounding up to the total lies past every cdf entry (simulated by u = 1); the token must be
     # the last one the filter kept (top-k 2: token 1; no filter: token 3), never one past the vocabulary
-    monkeypatch.setattr(torch, "rand", lambda n: torch.ones(n))
+    monkeypatch.setattr(torch, "rand", lambda n, device=None: torch.ones(n, device=device))
     logits = torch.tensor([[0.0, 0.0, -1.0, -2.0], [5.0, 0.0, 0.0, 0.0]])
     tokens, logprobs = sample(logits, [SamplingParams(top_k=2), SamplingParams()], [0, 0])
     assert tokens.tolist() == [1, 3]

@@ -52,13 +52,17 @@ def test_gpus_disaggregated_when_enough_each_engine_on_one_node_trainer_first():
     assert [s.node_id for s in where.ranks] == ["n0"] * 4 and [s.node_id for s in where.engines] == ["n1"] * 2
     assert plan(gpu_nodes(2), 1, 1, 1).engines == [Slot("n0", 1, 1)]  # tp 1: the engine actor holds its GPU
     assert plan(gpu_nodes(1), 1, 0, 1).engines == [Slot("n0", 0, 1)]  # an engine on CPUs takes no GPU
+    assert [plan(gpu_nodes(2), 1, 1, 1).transport, plan(gpu_nodes(1), 1, 0, 1).transport] == ["nccl", "gloo"]
+    assert plan([Node("head", 2, 0)], 1, 0, 1).transport == "gloo"
 
 
 def test_one_gpu_is_shared_colocated_and_short_clusters_say_what_is_missing():
     where = plan(gpu_nodes(1), 1, 1, 1)  # auto: 2 GPUs needed apart, 1 found: share it
     assert where.layout == "colocated" and where.engines == [Slot("n0", 0.5, 1)] and where.ranks == [Slot("n0", 0.5, 1)]
+    assert where.transport == "ipc"  # NCCL refuses two ranks on one GPU
     where = plan(gpu_nodes(2, 2), 4, 1, 4, "colocated")
     assert [s.node_id for s in where.engines] == [s.node_id for s in where.ranks] == ["n0", "n0", "n1", "n1"]
+    assert where.transport == "gloo"  # IPC reaches rank 0's GPU alone: the others through host memory
     with pytest.raises(PlacementError, match=r"^2 engines x tp 2 \+ 4 trainer ranks need 8 GPUs, found 4 "):
         plan(gpu_nodes(4), 2, 2, 4, "disaggregated")
     with pytest.raises(PlacementError, match="engine 1 needs 2 GPUs on one node .* have \\[1, 1\\] left after 2"):

@@ -44,6 +44,36 @@ def test_buckets_round_trip_exactly():
     assert stats["weight_sync/buckets"] == 3  # [a], [b], [c, d]
 
 
+def _receive_in_a_process(port, transport, out):
+    group = open_sync_group("127.0.0.1", port, 1, 2, transport, timeout_s=60)
+    out.put(([(name, t.cpu().tolist(), str(t.dtype)) for name, t in receive_weights(group, reuse_buffer=True)],
+             group.ipc))
+
+
+def test_an_ipc_sync_reads_the_trainers_gpu_buckets_or_says_why_not_and_goes_through_host_memory(capfd):
+    """Another process, as an engine is: CUDA IPC maps no memory of its own process. With a GPU the buckets are
+    read where the sender wrote them (two buckets: the second reuses the first's memory after the barrier);
+    without one (here), the probe fails, one line says so, and the same buckets arrive through host memory."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    params = [("a", torch.arange(6, dtype=torch.float32, device=device)), ("b", torch.ones(300, dtype=torch.bfloat16,
+                                                                                           device=device))]
+    ctx, port = mp.get_context("spawn"), reserve_port()
+    out = ctx.Queue()
+    receiver = ctx.Process(target=_receive_in_a_process, args=(port, "ipc", out))
+    receiver.start()
+    try:
+        group = open_sync_group("127.0.0.1", port, 0, 2, "ipc", timeout_s=60)
+        stats = send_weights(iter(params), group, bucket_mb=400 / 2**20)
+        received, mapped = out.get(timeout=60)
+    finally:
+        receiver.join(timeout=60)
+        receiver.kill()
+    assert group.ipc == mapped == (device == "cuda") and stats["weight_sync/buckets"] == 2
+    assert received == [(name, t.cpu().tolist(), str(t.dtype)) for name, t in params]
+    if device == "cpu":
+        assert capfd.readouterr().out.count("no CUDA IPC here") == 1
+
+
 def test_a_background_send_returns_with_a_copy_and_the_next_send_waits_for_it():
     """A model in one bucket: send_weights returns before the receiver has taken anything (the trainer
     trains meanwhile), what arrives is the weights as they were when it returned, and the next send first

@@ -61,4 +61,4 @@ class EngineConfig:
     enable_sleep_mode: bool = False
     """Engines release their memory while the trainer runs (vLLM's sleep level 1: weights to host memory,
     KV cache freed; back at the weight sync), so engines and trainer fit on shared GPUs (--ray.placement
-    colocated). Needs --train.force_sync_mode. The embedded engine has nothing to release (host memory)."""
+    colocated). Needs --train.force_sync_mode. The embedded engine keeps its memory and only counts the sleeps."""

@@ -1,4 +1,4 @@
-"""The embedded engine: in-process PyTorch over an HF model, the default when no GPU is present.
+"""The embedded engine: in-process PyTorch over an HF model, on CPU (the default when no GPU is present) or one GPU.
 
 One asyncio task runs the scheduler; `generate` only enqueues a request and awaits its future. Each
 scheduler step admits queued requests into free cache slots (reusing a session's cached prefix),
@@ -90,14 +90,15 @@ class EmbeddedEngine:
     @classmethod
     def from_pretrained(cls, path: str | Path, cfg: EngineConfig | None = None, version: int = 0,
                         accelerate: Callable[[nn.Module], StepAccelerator | None] | None = None) -> EmbeddedEngine:
-        """Load an HF checkpoint directory (Qwen3, Qwen3-MoE or Qwen3-VL) in ``cfg.dtype``; ``accelerate(model)``
-        gives the engine's accelerator, if any."""
+        """Load an HF checkpoint directory (Qwen3, Qwen3-MoE or Qwen3-VL) in ``cfg.dtype``, on the GPU where this
+        process has one (the one Ray gave its actor); ``accelerate(model)`` gives the engine's accelerator, if any."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         cfg = cfg or EngineConfig()
         vlm = getattr(AutoConfig.from_pretrained(str(path)), "vision_config", None) is not None
         auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
         model = auto.from_pretrained(str(path), dtype=getattr(torch, cfg.dtype))
+        model.to("cuda" if torch.cuda.is_available() else "cpu")
         return cls(model, cfg, version, accelerate(model) if accelerate is not None else None)
 
     def load(self) -> EngineLoad:
@@ -205,8 +206,8 @@ class EmbeddedEngine:
         self.version = version
 
     async def join_weight_group(self, open_group: Callable, master_addr: str, master_port: int, first_rank: int,
-                                world_size: int, device: str) -> None:
-        self._weight_group = open_group(master_addr, master_port, first_rank, world_size, device)
+                                world_size: int, transport: str) -> None:
+        self._weight_group = open_group(master_addr, master_port, first_rank, world_size, transport)
 
     async def receive_weights(self, receive: Callable, version: int) -> None:
         # each tensor is copied into the model before the next is received: one bucket buffer, reused
@@ -321,7 +322,7 @@ class EmbeddedEngine:
         batch = make_batch(self._cache, new, [r.slot for r in group], [r.cached for r in group], rope, images)
         logits, routed = forward(model, self._cache, batch, self.accelerator)
         if routed is not None:
-            for request, rows in zip(group, routed.split([len(ids) for ids in new])):
+            for request, rows in zip(group, routed.cpu().split([len(ids) for ids in new])):
                 request.record_routing(rows)
         live = [row for row, r in enumerate(group) if r.finish_reason is None]
         for request in group:

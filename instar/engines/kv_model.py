@@ -43,9 +43,6 @@ def check_supported(model: nn.Module) -> None:
     if model.config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"the embedded engine runs {SUPPORTED_MODEL_TYPES} models, got model_type "
                          f"{model.config.model_type!r}; use --rollout.engine vllm for other architectures")
-    if model.device.type != "cpu":
-        raise ValueError(f"the embedded engine runs on CPU, the model is on {model.device}; use --rollout.engine "
-                         "vllm on GPUs")
     if any(getattr(layer.self_attn, "sliding_window", None) for layer in decoder(model).layers):
         raise ValueError("the embedded engine has no sliding-window attention; set use_sliding_window "
                          "false in the model config or use --rollout.engine vllm")
@@ -70,9 +67,9 @@ class SlotCache:
     def __init__(self, model: nn.Module, slots: int = 16, capacity: int = 16):
         config, layers = text_config(model), decoder(model).layers
         self.shape = (slots, config.num_key_value_heads, capacity, config.head_dim)
-        self.dtype = decoder(model).embed_tokens.weight.dtype
-        self.k = [torch.zeros(self.shape, dtype=self.dtype) for _ in layers]
-        self.v = [torch.zeros(self.shape, dtype=self.dtype) for _ in layers]
+        self.dtype, self.device = decoder(model).embed_tokens.weight.dtype, model.device
+        self.k = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in layers]
+        self.v = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in layers]
 
     def reserve(self, length: int, slots: int = 0) -> None:
         if length <= self.shape[2] and slots <= self.shape[0]:
@@ -80,7 +77,7 @@ class SlotCache:
         self.shape = (_grown(self.shape[0], slots), self.shape[1], _grown(self.shape[2], length), self.shape[3])
         for kv in (self.k, self.v):
             for i, old in enumerate(kv):
-                kv[i] = torch.zeros(self.shape, dtype=self.dtype)
+                kv[i] = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
                 kv[i][: old.shape[0], :, : old.shape[2]] = old
 
     def read(self, slot: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -96,7 +93,7 @@ class SlotCache:
         for source, slot, length in moves:
             by_length.setdefault(length, []).append((source, slot))
         for length, pairs in by_length.items():
-            sources, slots = ints([s for s, _ in pairs]), ints([s for _, s in pairs])
+            sources, slots = (ints(part).to(self.device) for part in zip(*pairs))
             for cache in (*self.k, *self.v):
                 part = cache[:, :, :length]
                 part.index_copy_(0, slots, part.index_select(0, sources))
@@ -125,12 +122,13 @@ class AttentionGroup:
     lengths: torch.Tensor  # (rows,) each row's cached keys after this step's
     _bias: torch.Tensor | None = field(default=None, init=False, repr=False)
 
-    def decode_bias(self, heads: int) -> torch.Tensor:
+    def decode_bias(self, heads: int, dtype: torch.dtype) -> torch.Tensor:
         """The mask of single-token rows (each sees its keys up to its length) as 0 / -inf to add to their
         scores, (rows, heads, span): built once per step, at the first layer, for every layer."""
         if self._bias is None:
-            hidden = torch.arange(self.span) >= self.lengths[:, None, None]
-            self._bias = torch.zeros(len(self.lengths), heads, self.span).masked_fill_(hidden, float("-inf"))
+            hidden = torch.arange(self.span, device=self.lengths.device) >= self.lengths[:, None, None]
+            self._bias = torch.zeros(len(self.lengths), heads, self.span, device=self.lengths.device, dtype=dtype
+                                     ).masked_fill_(hidden, float("-inf"))
         return self._bias
 
 
@@ -154,7 +152,8 @@ class Batch:
         that writes them through torch (a decode step through an accelerator's kernel never does)."""
         if self._rows is None:
             _, kv_heads, capacity, _ = cache.shape
-            rows = (self.slots[:, None] * kv_heads + torch.arange(kv_heads)) * capacity + self.positions[:, None]
+            heads = torch.arange(kv_heads, device=self.slots.device)
+            rows = (self.slots[:, None] * kv_heads + heads) * capacity + self.positions[:, None]
             self._rows = rows.reshape(-1)
         return self._rows
 
@@ -201,6 +200,10 @@ def make_batch(cache: SlotCache, new_ids: list[list[int]], slots: list[int], pas
         if found:
             batch.visual = torch.cat([at for at, _ in found])
             batch.features = torch.cat([f for _, f in found], dim=1)
+    for record in (batch, *batch.groups) if cache.device.type != "cpu" else ():  # built on the host: one move
+        for name, value in vars(record).items():
+            if isinstance(value, torch.Tensor):
+                setattr(record, name, value.to(cache.device, non_blocking=True))
     return batch
 
 
@@ -265,10 +268,10 @@ def attend(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         else:  # index_select is much faster than advanced indexing here
             keys, values = (c[layer][:, :, :span].index_select(0, group.slots) for c in (cache.k, cache.v))
         if group.grid is None:  # a pure decode step: every row, in packed order
-            out = _decode_attention(q, keys, values, group.decode_bias(q.shape[1]), attn.scaling)
+            out = _decode_attention(q, keys, values, group.decode_bias(q.shape[1], q.dtype), attn.scaling)
         elif group.grid.shape[1] == 1:  # the decode rows of a step that also prefills
             out[group.grid[:, 0]] = _decode_attention(q[group.grid[:, 0]], keys, values,
-                                                      group.decode_bias(q.shape[1]), attn.scaling)
+                                                      group.decode_bias(q.shape[1], q.dtype), attn.scaling)
         else:
             query = q[group.grid].transpose(1, 2)  # (rows, heads, T, head_dim)
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask, scale=attn.scaling,
@@ -313,7 +316,7 @@ def _rotary_table(emb: nn.Module, h: torch.Tensor, cache: SlotCache) -> tuple[to
     its positions up instead of ~10 small ops. The same values: each is the same product, cos and sin."""
     table = _ROTARY_TABLES.get(emb)
     if table is None or table[0].shape[0] < cache.shape[2] or table[0].dtype != h.dtype:
-        table = _ROTARY_TABLES[emb] = _rotary(emb, h, torch.arange(cache.shape[2])[None])
+        table = _ROTARY_TABLES[emb] = _rotary(emb, h, torch.arange(cache.shape[2], device=h.device)[None])
     return table
 
 

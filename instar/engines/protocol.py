@@ -101,7 +101,7 @@ class Engine(Sampler, Protocol):
         """Load new weights (HF parameter names) and set the policy version; call while paused."""
 
     async def join_weight_group(self, open_group: Callable, master_addr: str, master_port: int, first_rank: int,
-                                world_size: int, device: str) -> None:
+                                world_size: int, transport: str) -> None:
         """Join trainer rank 0's broadcast group (ranks from ``first_rank``, one per engine worker) with
         ``open_group`` (`instar.train.weight_sync.open_sync_group`); returns once every member joined."""
 

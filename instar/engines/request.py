@@ -86,7 +86,8 @@ def image_features(model: nn.Module, request: Request) -> tuple[torch.Tensor, to
     if need:
         parts = request.images.split()
         inputs = ImageInputs.cat([parts[k] for k in need])
-        out = model.model.get_image_features(inputs.pixel_values.to(model.dtype), inputs.grid_thw, return_dict=True)
+        out = model.model.get_image_features(inputs.pixel_values.to(model.device, model.dtype),
+                                             inputs.grid_thw.to(model.device), return_dict=True)
         levels = [out.pooler_output, *out.deepstack_features]
         for j, k in enumerate(need):
             request.features[k] = torch.stack([level[j] for level in levels])

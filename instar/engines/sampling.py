@@ -44,19 +44,19 @@ LogprobsMode = Literal["processed", "raw"]
 def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature-scaled logits with top-k / top-p / min-p filtered tokens set to -inf, shape (B, V).
     Greedy rows (temperature 0) are left at temperature 1 and unfiltered; `sample` takes their argmax."""
-    logits = logits.float()
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+    logits, device = logits.float(), logits.device
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
     scaled = logits / temps[:, None]
     if not any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
         return scaled
     vocab = scaled.shape[-1]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    min_p = torch.tensor([p.min_p for p in params])
+    min_p = torch.tensor([p.min_p for p in params], device=device)
     ratio = (sorted_logits - sorted_logits[:, :1]).exp()  # p_i / p_max
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-    keep = (ratio >= min_p[:, None]) & (torch.arange(vocab)[None, :] < top_k[:, None])
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    keep = (ratio >= min_p[:, None]) & (torch.arange(vocab, device=device)[None, :] < top_k[:, None])
     probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
-    top_p = torch.tensor([p.top_p for p in params])
+    top_p = torch.tensor([p.top_p for p in params], device=device)
     # A token stays if the mass ranked above it is still short of p; rows with p == 1 keep everything
     # (float rounding can push the cumulative sum past 1 on the tail).
     keep &= ((probs.cumsum(dim=-1) - probs) < top_p[:, None]) | (top_p[:, None] >= 1)
@@ -96,18 +96,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], counts: list[int]
     untouched = all(p.temperature in (0, 1) and p.top_k <= 0 and p.top_p >= 1 and p.min_p <= 0 for p in params)
     seeded = [p.seed is not None for p in params]
     keys = torch.tensor([int.from_bytes(hashlib.blake2b(f"{p.seed}-{n}".encode(), digest_size=8).digest(), signed=True)
-                         if p.seed is not None else 0 for p, n in zip(params, counts)]) if any(seeded) else None
+                         if p.seed is not None else 0 for p, n in zip(params, counts)], device=logits.device
+                        ) if any(seeded) else None
     if accelerator is not None and untouched and all(p.temperature for p in params) and all(seeded) != (keys is None):
         if (sampled := accelerator.sample(logits, torch.rand(len(params)), keys)) is not None:
             return sampled
     raw = logits.float().log_softmax(dim=-1)
     processed = raw if untouched else filter_logits(logits, params).log_softmax(dim=-1)
-    tokens = race(processed, keys) if all(seeded) else _inverted(processed, torch.rand(len(params)))
+    device = logits.device
+    tokens = race(processed, keys) if all(seeded) else _inverted(processed, torch.rand(len(params), device=device))
     if keys is not None and not all(seeded):
-        tokens = torch.where(torch.tensor(seeded), race(processed, keys), tokens)
+        tokens = torch.where(torch.tensor(seeded, device=device), race(processed, keys), tokens)
     greedy_rows = [p.temperature == 0 for p in params]
     if any(greedy_rows):
-        greedy = torch.tensor(greedy_rows)
+        greedy = torch.tensor(greedy_rows, device=device)
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
         use_raw, pick = greedy | (logprobs_mode == "raw"), tokens[:, None]
         return tokens, torch.where(use_raw, raw.gather(1, pick)[:, 0], processed.gather(1, pick)[:, 0])

@@ -224,15 +224,13 @@ class VLLMEngine:
         await self._after_update(version)
 
     async def join_weight_group(self, open_group: Callable, master_addr: str, master_port: int, first_rank: int,
-                                world_size: int, device: str | None = None) -> None:
+                                world_size: int, transport: str = "gloo") -> None:
         """Every worker of this engine joins the trainer's weight broadcast group as ranks ``first_rank``
         .. ``first_rank + tensor_parallel_size - 1``. ``open_group`` is the trainer's group opener
-        (`instar.train.weight_sync.open_sync_group`); it blocks until all members joined. ``device``:
-        "cuda" (NCCL, the default on GPU) or "cpu" (gloo; on GPU too when trainer and engine share one
-        GPU, which NCCL refuses)."""
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        (`instar.train.weight_sync.open_sync_group`); it blocks until all members joined. ``transport``:
+        `instar.train.weight_sync.Transport`."""
         await self.llm.collective_rpc("instar_join_weight_group", args=(qualname(open_group), master_addr, master_port,
-                                                                        first_rank, world_size, device))
+                                                                        first_rank, world_size, transport))
 
     async def receive_weights(self, receive: Callable, version: int) -> None:
         """Every worker receives one broadcast from the trainer straight into vLLM (NCCL on GPU, gloo

@@ -44,10 +44,10 @@ class WeightSyncExtension:
         self.reload_weights(weights_iterator=with_tied_head(load(blob).items(), tied), is_checkpoint_format=True)
 
     def instar_join_weight_group(self, open_group: str, master_addr: str, master_port: int, first_rank: int,
-                                 world_size: int, device: str) -> None:
+                                 world_size: int, transport: str) -> None:
         """Join the broadcast group as rank ``first_rank + <this worker's tensor-parallel rank>``."""
         self.instar_weight_group = pkgutil.resolve_name(open_group)(master_addr, master_port, first_rank + self.rank,
-                                                                    world_size, device=device)
+                                                                    world_size, transport)
 
     def instar_receive_weights(self, receive: str, tied: bool) -> None:
         """Consume one broadcast to its end marker (every bucket is a collective) and load it."""

@@ -115,14 +115,13 @@ class Cluster:
                                   "RAY_AUTH_TOKEN)") from e
 
     def _choose_engine(self, gpu: bool, replay: bool) -> str:
-        """The rollout engine, and the weight-sync device and ranks per engine it implies."""
+        """The rollout engine, and the weight-sync ranks per engine it implies."""
         cfg = self.cfg
         engine = choose_engine(cfg, gpu, importlib.util.find_spec("vllm") is not None)
         if not replay:
             print(f"instar: rollout engine {engine} (--rollout.engine {cfg.rollout.engine}, "
                   f"{'a GPU' if gpu else 'no GPU'} in the Ray cluster)", flush=True)
         vllm, tp = engine == "vllm", cfg.engine.tensor_parallel_size
-        self.sync_device = "cuda" if gpu and vllm else "cpu"  # NCCL only between GPU trainer and GPU engines
         if vllm:
             from instar.engines.vllm import check_engine_config
 
@@ -138,11 +137,13 @@ class Cluster:
         # otherwise engines and trainer ranks on one node compute at the same time and share its cores
         # (bench/rl_step.py measures it).
         engines, ranks = 0 if replay else cfg.engine.num_engines, cfg.fsdp.num_ranks if self.train else 0
-        where = plan(nodes(), engines, tp if vllm and gpu else 0, ranks, cfg.ray.placement, cfg.train.force_sync_mode)
+        where = plan(nodes(), engines, (tp if vllm else 1) if gpu else 0, ranks, cfg.ray.placement,
+                     cfg.train.force_sync_mode)
+        self.transport = where.transport
         if len({s.node_id for s in where.engines + where.ranks}) > 1 or gpu:
             print(f"instar: placement {where.layout} (--ray.placement {cfg.ray.placement}): engines on nodes "
-                  f"{[s.node_id[:8] for s in where.engines]}, trainer ranks on {[s.node_id[:8] for s in where.ranks]}",
-                  flush=True)
+                  f"{[s.node_id[:8] for s in where.engines]}, trainer ranks on {[s.node_id[:8] for s in where.ranks]}, "
+                  f"weights by {where.transport}", flush=True)
         if where.layout == "colocated" and vllm and gpu and where.ranks and cfg.engine.gpu_memory_utilization > 0.5:
             print(f"instar: warning: colocated, vLLM may take {cfg.engine.gpu_memory_utilization:.0%} of each GPU the "
                   "trainer shares; lower --engine.gpu_memory_utilization if the trainer runs out of memory", flush=True)
@@ -180,9 +181,9 @@ class Cluster:
         """Trainer rank 0 and every engine join a new weight-sync group (a member's old one is dropped);
         its store lives on trainer rank 0's node, at a port free there."""
         addr, port = await self.trainer.ranks[0].address.remote()
-        world, per, device = 1 + len(self.engines) * self.per_engine, self.per_engine, self.sync_device
-        await asyncio.gather(self.trainer.open_weight_sync(addr, port, world, device),
-                             *(self._call(i, "join_weight_group", addr, port, 1 + i * per, world, device)
+        world, per = 1 + len(self.engines) * self.per_engine, self.per_engine
+        await asyncio.gather(self.trainer.open_weight_sync(addr, port, world, self.transport),
+                             *(self._call(i, "join_weight_group", addr, port, 1 + i * per, world, self.transport)
                                for i in range(len(self.engines))))
         self.sync_store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=60))
 

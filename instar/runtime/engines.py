@@ -29,7 +29,7 @@ from instar.config import CpuConfig, EngineConfig
 from instar.contract import Generation, ImageInputs, SamplingParams
 from instar.engines.protocol import Engine, EngineLoad, PauseMode, Sampled
 from instar.train.launch import cpu_threads
-from instar.train.weight_sync import open_sync_group, receive_weights
+from instar.train.weight_sync import Transport, open_sync_group, receive_weights
 
 
 def make_engine(model_path: str, backend: str, cfg: EngineConfig, routing_replay: bool = False,
@@ -37,7 +37,7 @@ def make_engine(model_path: str, backend: str, cfg: EngineConfig, routing_replay
     if backend == "embedded":
         from instar.engines.embedded import EmbeddedEngine
 
-        if cpu is None or not cpu.enable:
+        if cpu is None or not cpu.enable or torch.cuda.is_available():  # its kernels are the CPU's
             return EmbeddedEngine.from_pretrained(model_path, cfg)
         from instar.cpu import engine_process
 
@@ -213,10 +213,10 @@ class EngineActor:
         return await asyncio.to_thread(lambda: dict(self.engine.stats))
 
     async def join_weight_group(self, master_addr: str, master_port: int, rank: int, world_size: int,
-                                device: str = "cpu") -> None:
+                                transport: Transport = "gloo") -> None:
         """Returns once trainer rank 0 and every engine joined; call on all of them concurrently."""
         await self._on_engine(self.engine.join_weight_group(open_sync_group, master_addr, master_port, rank,
-                                                            world_size, device))
+                                                            world_size, transport))
 
     async def sleep(self) -> None:
         await self._on_engine(self.engine.sleep())

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from instar.config import ConfigError
+from instar.train.weight_sync import Transport
 
 Layout = Literal["auto", "colocated", "disaggregated"]
 
@@ -39,6 +40,11 @@ class Placement:
     layout: Literal["colocated", "disaggregated"]
     engines: list[Slot]
     ranks: list[Slot]
+    transport: Transport = "gloo"
+    """How the weights reach the engines (`instar.train.weight_sync`): gloo through host memory to engines on
+    CPUs, NCCL to engines on GPUs of their own, CUDA IPC to engines on trainer rank 0's one GPU. Engines that
+    share several GPUs with the trainer get gloo: NCCL refuses two ranks of a group on one GPU, and IPC reaches
+    only the GPU rank 0 sends from."""
 
 
 class PlacementError(ConfigError):
@@ -73,7 +79,7 @@ def _on_gpus(nodes: list[Node], engines: int, tp: int, ranks: int, layout: Layou
             raise PlacementError(f"{_needs(engines, tp, ranks)} need {need} GPUs, found {len(gpus)} "
                                  "(--ray.placement colocated shares them)")
         # the trainer first, from the driver's node on: rank 0 hosts its store
-        out = Placement("disaggregated", [], [Slot(gpu, 1, 1) for gpu in gpus[:ranks]])
+        out = Placement("disaggregated", [], [Slot(gpu, 1, 1) for gpu in gpus[:ranks]], "nccl" if tp else "gloo")
         for gpu in gpus[:ranks]:
             free[gpu] -= 1
         for i in range(engines):  # an engine's tensor-parallel workers share one node
@@ -93,7 +99,7 @@ def _on_gpus(nodes: list[Node], engines: int, tp: int, ranks: int, layout: Layou
         raise PlacementError(f"{_needs(engines, tp, ranks)} need {used} GPUs colocated, found {len(gpus)}")
     half = 0.5 if engines and tp and ranks else 1
     return Placement("colocated", [Slot(gpus[i % len(gpus)], half if tp else 0, 1) for i in range(engines)],
-                     [Slot(gpu, half, 1) for gpu in gpus[:ranks]])
+                     [Slot(gpu, half, 1) for gpu in gpus[:ranks]], "ipc" if tp and used == 1 and ranks else "gloo")
 
 
 def _needs(engines: int, tp: int, ranks: int) -> str:

@@ -23,6 +23,7 @@ from instar.train import checkpoint
 from instar.train.batch import StepInputs, identity, shard_samples
 from instar.train.launch import GenerationFlag, cpu_threads, reserve_port
 from instar.train.model import decoder_layers
+from instar.train.weight_sync import Transport
 from instar.train.worker import LossFn, TrainStats, TrainWorker, ValueLossFn
 
 
@@ -147,9 +148,9 @@ class TrainerGroup:
         return (await self._all("train_critic", (ray.put(samples), loss_fn, ray.put(inputs), updates)))[0]
 
     async def open_weight_sync(self, master_addr: str, master_port: int, world_size: int,
-                               device: str | None = None) -> None:
+                               transport: Transport = "gloo") -> None:
         """Rank 0 joins the weight-sync group; await it together with the engines joining."""
-        await self._all("open_weight_sync", (master_addr, master_port, world_size, device))
+        await self._all("open_weight_sync", (master_addr, master_port, world_size, transport))
 
     def send_weights(self, bucket_mb: float = 256.0, background: bool = False) -> Coroutine[Any, Any, dict[str, float]]:
         """Broadcast the policy to the engines (await together with their receive) for rank 0's stats. Sent

@@ -215,10 +215,18 @@ def attention_for(path: str, choice: str = "auto", accelerated: bool = False) ->
     and, on CPU (where FlexAttention has no backward), packed unless the model uses a sliding window,
     then sdpa. ``accelerated`` (--cpu.enable): packed on CPU is the accelerator's "cpu". A name in `REGISTERED`
     is that attention. A kernel that cannot run here is an error that names the fix."""
+    import importlib.util
+
     from transformers import AttentionInterface, AutoConfig
     # no mask function: transformers then builds none; eager under --fsdp.compile (see `parallel.compile_layers`)
     AttentionInterface.register(PACKED, torch.compiler.disable(packed_attention))
     gpu = torch.cuda.is_available()
+    if choice == "te":  # transformers runs no TransformerEngine attention in HF models: the fastest kernel there is
+        impl = attention_for(path, "flash_attention_2" if gpu and importlib.util.find_spec("flash_attn") else "auto",
+                             accelerated)
+        print(f"instar: --fsdp.attn_implementation te (TransformerEngine) runs {impl}, the fastest attention here",
+              flush=True)
+        return impl
     if choice == "auto":
         if gpu:
             return "flex_attention"
@@ -235,7 +243,6 @@ def attention_for(path: str, choice: str = "auto", accelerated: bool = False) ->
         raise ValueError("--fsdp.attn_implementation flex_attention needs a CUDA GPU (PyTorch's FlexAttention "
                          "has no backward on CPU); use packed (or auto) on CPU")
     if choice == "flash_attention_2":
-        import importlib.util
         if importlib.util.find_spec("flash_attn") is None or not gpu:
             raise ValueError("--fsdp.attn_implementation flash_attention_2 needs a CUDA GPU and the flash-attn "
                              "package (pip install flash-attn); use packed (or auto) otherwise")

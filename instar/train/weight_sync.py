@@ -1,5 +1,9 @@
 """Weight sync: trainer rank 0 broadcasts full parameters, bucket by bucket, to every engine host
-over a dedicated process group (gloo on CPU, NCCL on GPU), never through Ray's object store.
+over a dedicated process group, never through Ray's object store. The transport (`Transport`, chosen by
+the placement plan): gloo through host memory, NCCL to engines on GPUs of their own, or CUDA IPC to an
+engine on trainer rank 0's own GPU (NCCL refuses two ranks on one GPU): there gloo carries the tables
+and torch's IPC handle of each bucket, the engine reads the bucket where the trainer wrote it, and a
+barrier tells the trainer it may write the next one.
 
 The group is rank 0 = the trainer's rank 0, ranks 1..E = engine hosts, built directly from a
 ``TCPStore`` so it is independent of the trainer's own process group. Each bucket travels as a
@@ -22,13 +26,17 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from instar.train.launch import open_store
 
+Transport = Literal["gloo", "nccl", "ipc"]
+HANDLE_BYTES = 1024  # a bucket's IPC handle, JSON padded to a fixed size: nothing to send ahead of it
 ALIGN = 64  # a tensor's offset in its bucket: any dtype can then view its bytes in place
 
 ABANDONED = "instar_sync_abandoned"
@@ -44,8 +52,9 @@ class SyncAbandoned(RuntimeError):
 class SyncGroup:
     pg: dist.ProcessGroup
     rank: int
-    device: str
+    device: str  # the group's: "cuda" for NCCL, else "cpu"
     store: dist.TCPStore  # kept alive with the group
+    ipc: bool = False  # buckets stay in the sender's GPU memory; the group carries their handles
     buffer: Tensor | None = None
     """CPU only: the sender's (or a ``reuse_buffer`` receiver's) bucket buffer, kept between buckets
     and syncs. Freed host memory goes back to the OS and faulting fresh memory in costs more than
@@ -62,21 +71,70 @@ class SyncGroup:
 
 
 def open_sync_group(master_addr: str, master_port: int, rank: int, world_size: int,
-                    device: str = "cpu", timeout_s: float = 600.0) -> SyncGroup:
+                    transport: Transport = "gloo", timeout_s: float = 600.0) -> SyncGroup:
     """Join the weight-sync group (rank 0: trainer rank 0, which broadcasts). ``master_port``: from
     `reserve_port`, in the process that serves the store (trainer rank 0's). Every member calls this at
-    about the same time; it returns when all ``world_size`` members have joined."""
+    about the same time; it returns when all ``world_size`` members have joined. Where a member cannot
+    map CUDA IPC memory (a sandboxed kernel may refuse it), an "ipc" group says so and sends through host
+    memory."""
     timeout = timedelta(seconds=timeout_s)
     store = open_store(master_addr, master_port, world_size, timeout)
     prefixed = dist.PrefixStore("instar_weight_sync", store)
-    pg = (dist.ProcessGroupNCCL(prefixed, rank, world_size) if device == "cuda" else
+    pg = (dist.ProcessGroupNCCL(prefixed, rank, world_size) if transport == "nccl" else
           dist.ProcessGroupGloo(prefixed, rank, world_size, timeout))
-    return SyncGroup(pg=pg, rank=rank, device=device, store=store)
+    group = SyncGroup(pg=pg, rank=rank, device="cuda" if transport == "nccl" else "cpu", store=store)
+    group.ipc = transport == "ipc" and _ipc_works(group)
+    return group
+
+
+def _ipc_handle(flat: Tensor) -> Tensor:
+    """torch's CUDA IPC handle of ``flat`` (uint8) as JSON, padded to `HANDLE_BYTES`: data, never a pickle."""
+    args = reduce_tensor(flat)[1]  # (tensor class, size, stride, offset, storage class, dtype, device, ...)
+    fields = [a.hex() if isinstance(a, bytes) else a for a in (*args[1:4], *args[6:])]
+    return torch.frombuffer(bytearray(json.dumps(fields).ljust(HANDLE_BYTES), "utf-8"), dtype=torch.uint8)
+
+
+def _ipc_open(handle: Tensor) -> Tensor:
+    size, stride, offset, device, storage, *rest = json.loads(handle.numpy().tobytes())
+    nbytes, start, grad, counter, counter_offset, event, sync = rest
+    return rebuild_cuda_tensor(torch.Tensor, torch.Size(size), tuple(stride), offset, torch.TypedStorage, torch.uint8,
+                               device, bytes.fromhex(storage), nbytes, start, grad, bytes.fromhex(counter),
+                               counter_offset, event and bytes.fromhex(event), sync)
+
+
+def _ipc_works(group: SyncGroup) -> bool:
+    """Whether every receiver maps a probe of rank 0's GPU memory and reads it right; one that cannot says why."""
+    expected, failed = torch.arange(ALIGN, dtype=torch.uint8), torch.zeros(1)
+    handle = torch.zeros(HANDLE_BYTES, dtype=torch.uint8)  # all zeros: rank 0 has no handle to give
+    try:
+        if group.rank == 0:
+            probe = expected.cuda()  # kept until every receiver read it (the all-reduce below)
+            handle = _ipc_handle(probe)
+    except (RuntimeError, AssertionError) as error:  # no CUDA at all: torch asserts
+        failed[0] = _no_ipc(error)
+    _broadcast(group, handle)
+    try:
+        if group.rank and handle.any():
+            failed[0] = not torch.equal(_ipc_open(handle).cpu(), expected)
+    except RuntimeError as error:  # e.g. a sandboxed kernel's refusal
+        failed[0] = _no_ipc(error)
+    _wait(group, group.pg.allreduce([failed], dist.ReduceOp.MAX))
+    return not failed.item()
+
+
+def _no_ipc(error: BaseException) -> bool:
+    print(f"instar: weight sync: no CUDA IPC here ({error}); the weights go through host memory", flush=True)
+    return True
 
 
 def _broadcast(group: SyncGroup, tensor: Tensor) -> Tensor:
+    _wait(group, group.pg.broadcast(tensor, 0))
+    return tensor
+
+
+def _wait(group: SyncGroup, work: dist.Work) -> None:
     """Polled rather than waited for: a member that died would hold the others until the group's timeout."""
-    work, pause, waited = group.pg.broadcast(tensor, 0), 1e-4, 0.0
+    pause, waited = 1e-4, 0.0
     try:
         while not work.is_completed():
             if waited > 1.0 and group.store.check([ABANDONED]):
@@ -89,15 +147,14 @@ def _broadcast(group: SyncGroup, tensor: Tensor) -> Tensor:
         _abandoned.append(group)
         group.store.set(ABANDONED, "1")
         raise SyncAbandoned(f"the weight-sync broadcast is abandoned: {error}") from error
-    return tensor
 
 
 def _buffer(group: SyncGroup, nbytes: int) -> Tensor:
     """A uint8 buffer of at least ``nbytes`` on the group's device (see ``SyncGroup.buffer``)."""
     if group.buffer is not None and group.buffer.numel() >= nbytes:
         return group.buffer
-    buffer = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
-    if group.device == "cpu":
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device="cuda" if group.ipc else group.device)
+    if buffer.device.type == "cpu":
         group.buffer = buffer
     return buffer
 
@@ -105,12 +162,17 @@ def _buffer(group: SyncGroup, nbytes: int) -> Tensor:
 def _send_bucket(group: SyncGroup, index: int, table: list[tuple], flat: Tensor, last: bool) -> None:
     same = index < len(group.tables) and group.tables[index] == table
     meta = None if same else torch.frombuffer(bytearray(json.dumps(table), "utf-8"), dtype=torch.uint8)
-    header = [0 if meta is None else meta.numel(), flat.numel(), int(last)]
+    handle = _ipc_handle(flat) if group.ipc and flat.numel() else None
+    header = [0 if meta is None else meta.numel(), flat.numel(), int(last), handle is not None]
     _broadcast(group, torch.tensor(header, dtype=torch.int64, device=group.device))
     if meta is not None:
         _broadcast(group, meta.to(group.device))
         group.tables[index:index + 1] = [table]
-    if flat.numel():
+    if handle is not None:
+        torch.cuda.current_stream().synchronize()  # the bucket is written before the engine reads it
+        _broadcast(group, handle)
+        _wait(group, group.pg.barrier())  # the engine has copied it: the buffer may take the next bucket
+    elif flat.numel():
         _broadcast(group, flat)
 
 
@@ -165,7 +227,7 @@ def send_weights(named_params: Iterable[tuple[str, Tensor]], group: SyncGroup | 
     def finish() -> None:  # the last bucket (an empty one for a model without parameters)
         _send_bucket(group, buckets, table, buffer[:used] if table else torch.empty(0, dtype=torch.uint8), last=True)
 
-    if background and buckets == 0 and group.device == "cpu":
+    if background and buckets == 0 and group.device == "cpu" and not group.ipc:
         group.sending = Future()
         threading.Thread(target=_run, args=(finish, group.sending), name="weight-sync", daemon=True).start()
         return stats | {"weight_sync/seconds": time.perf_counter() - start, "weight_sync/background": 1.0}
@@ -191,15 +253,22 @@ def receive_weights(group: SyncGroup, reuse_buffer: bool = False) -> Iterator[tu
     bench/weight_sync.py); only for a consumer that copies each tensor before it asks for the next,
     as ``EmbeddedEngine.update_weights`` does."""
     for index in itertools.count():
-        header = _broadcast(group, torch.empty(3, dtype=torch.int64, device=group.device))
-        meta_len, flat_len, last = header.tolist()
+        header = _broadcast(group, torch.empty(4, dtype=torch.int64, device=group.device))
+        meta_len, flat_len, last, ipc = header.tolist()
         if meta_len:
             meta = _broadcast(group, torch.empty(meta_len, dtype=torch.uint8, device=group.device))
             group.tables[index:index + 1] = [json.loads(meta.cpu().numpy().tobytes())]
-        if flat_len:
+        if ipc:  # the sender's own memory: copied out before the barrier lets it write the next bucket
+            flat = _ipc_open(_broadcast(group, torch.empty(HANDLE_BYTES, dtype=torch.uint8)))
+        elif flat_len:
             flat = _broadcast(group, _buffer(group, flat_len)[:flat_len] if reuse_buffer
                               else torch.empty(flat_len, dtype=torch.uint8, device=group.device))
-            for name, dtype, shape, offset, nbytes in group.tables[index]:
-                yield name, flat[offset:offset + nbytes].view(getattr(torch, dtype)).reshape(shape)
+        for name, dtype, shape, offset, nbytes in group.tables[index] if flat_len else ():
+            tensor = flat[offset:offset + nbytes].view(getattr(torch, dtype)).reshape(shape)
+            yield name, tensor.clone() if ipc and not reuse_buffer else tensor
+        if ipc:
+            torch.cuda.current_stream().synchronize()
+            del flat, tensor
+            _wait(group, group.pg.barrier())
         if last:
             return

@@ -87,9 +87,8 @@ class TrainWorker:
         self.scheduler = build_scheduler(self.optimizer, a.lr_warmup_steps, self.train.max_steps, a.lr_scheduler)
         # with LoRA the policy's own base is the reference when it is the same checkpoint: no second copy
         self.ref_is_base = a.lora_rank > 0 and self.ref_path == a.model_name_or_path
-        self.ref = None
-        if self.ref_path and not self.ref_is_base:
-            self.ref = self._load(self.ref_path, lambda m: m.requires_grad_(False))
+        separate_ref = self.ref_path and not self.ref_is_base
+        self.ref = self._load(self.ref_path, lambda m: m.requires_grad_(False)) if separate_ref else None
         self.critic = None
         if self.critic_cfg is not None:
             self.critic = self._load(self.critic_cfg.model_name_or_path or a.model_name_or_path, value_model=True)
@@ -326,15 +325,14 @@ class TrainWorker:
 
     # ---- weight sync, checkpoints, export --------------------------------------------------------
 
-    def open_weight_sync(self, master_addr: str, master_port: int, world_size: int, device: str | None = None) -> None:
-        """Trainer rank 0 joins (and hosts) the weight-sync group as its rank 0; other ranks do nothing.
-        ``device``: "cuda" (NCCL, default on GPU) or "cpu" (gloo: CPU, or engines sharing the GPU)."""
+    def open_weight_sync(self, master_addr: str, master_port: int, world_size: int,
+                         transport: weight_sync.Transport = "gloo") -> None:
+        """Trainer rank 0 joins (and hosts) the weight-sync group as its rank 0; other ranks do nothing."""
         if self.rank == 0:
             if self.sync_group is not None:  # a new group because an engine restarted: the old one is done
                 with contextlib.suppress(Exception):  # its last broadcast may have failed with that engine
                     self.sync_group.wait_sent()
-            self.sync_group = weight_sync.open_sync_group(master_addr, master_port, 0, world_size,
-                                                          device or self.device)
+            self.sync_group = weight_sync.open_sync_group(master_addr, master_port, 0, world_size, transport)
 
     def send_weights(self, bucket_mb: float = 256.0, background: bool = False) -> dict[str, float]:
         """Broadcast the policy's full weights (HF names) to the engines; collective over trainer ranks.

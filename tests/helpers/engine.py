@@ -5,6 +5,7 @@ teacher-forced logprobs to compare with, a weight update in the middle of a turn
 import asyncio
 import copy
 
+import pytest
 import torch
 
 from instar.config import EngineConfig
@@ -15,10 +16,14 @@ PROMPTS = [[5, 77, 301], [12, 400, 9, 250, 33, 71, 2, 18, 90, 91, 92, 300, 301, 
            [260, 261, 262, 263, 264, 265, 266, 267, 268], [100 + i for i in range(30)]]
 
 
-def run_engine(model, body, cfg=None):
-    """Run ``await body(engine)`` on a fresh engine over a copy of ``model``; always closes it."""
+# The engine's code is the same on a GPU: tests that compare it with HF run there too, where there is one.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
+
+
+def run_engine(model, body, cfg=None, device="cpu"):
+    """Run ``await body(engine)`` on a fresh engine over a copy of ``model`` on ``device``; always closes it."""
     async def main():
-        engine = EmbeddedEngine(copy.deepcopy(model), cfg or EngineConfig())
+        engine = EmbeddedEngine(copy.deepcopy(model).to(device), cfg or EngineConfig())
         try:
             return await body(engine)
         finally:
