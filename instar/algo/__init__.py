@@ -18,8 +18,6 @@ from instar.algo.is_correction import check_is_correction, is_weights
 from instar.algo.kl import KL_ESTIMATORS, KLController, kl_penalty
 from instar.algo.losses import LOSSES, policy_loss, value_loss
 
-__all__ = [
-    "ESTIMATORS", "AdvantageInputs", "Estimator", "Needs", "compute_advantages", "registered", "dynamic_filter",
-    "check_is_correction", "is_weights", "KL_ESTIMATORS", "KLController", "kl_penalty", "LOSSES", "policy_loss",
-    "value_loss",
-]
+__all__ = ["ESTIMATORS", "AdvantageInputs", "Estimator", "Needs", "compute_advantages", "registered", "dynamic_filter",
+           "check_is_correction", "is_weights", "KL_ESTIMATORS", "KLController", "kl_penalty", "LOSSES", "policy_loss",
+           "value_loss"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import array
 from dataclasses import dataclass, fields
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -162,9 +163,7 @@ def shard_samples(lengths: list[int], world_size: int, seqs: list[list[int]] | N
     cost = cost or [1] * len(lengths)
     order, shared = _shared_with_previous(seqs) if seqs is not None else ([], [])
     if any(shared):  # else nothing is shared: dealing by length balances better
-        done = [0]
-        for i, common in zip(order, shared):
-            done.append(done[-1] + (lengths[i] - common) * cost[i])
+        done = list(accumulate(((lengths[i] - common) * cost[i] for i, common in zip(order, shared)), initial=0))
         cuts = [0]
         for r in range(1, world_size):  # nearest to r shares, leaving a sample for every later rank
             lo, hi = cuts[-1] + 1, len(order) - (world_size - r)
@@ -284,9 +283,8 @@ def collate(samples: list[Sample], indices: list[int], step: StepInputs | None =
     t = torch.arange(T)
     recorded = all(s.routed_experts is not None for s in rows)
     seen = any(s.images is not None for s in rows)
-    keys = None
-    if share and (recorded or seen):  # replayed routes must agree too, and image tokens only share one image
-        keys = [_with_routes(s) for s in rows] if recorded else [identity(s) for s in rows]
+    # what a shared start must agree in: replayed routes too, and image tokens only share one image
+    keys = [_with_routes(s) for s in rows] if share and recorded else [identity(s) for s in rows]
     layout = row_layout([s.token_ids for s in rows], share, keys=keys)
     given = {f.name: right_pad([values[i] for i in names], T).to(device)
              for f in fields(StepInputs) if step is not None and (values := getattr(step, f.name)) is not None}

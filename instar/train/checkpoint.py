@@ -82,8 +82,8 @@ def save(root: str, step: int, models: Stateful, meta: dict[str, Any], max_num: 
         shutil.rmtree(final, ignore_errors=True)  # re-saving the same step after a resume
         os.replace(tmp, final)
         fsync_dir(root)
-        if max_num > 0:
-            _prune(root, max_num)
+        for s in _steps(root)[max_num:] if max_num > 0 else []:  # prune to the newest max_num
+            shutil.rmtree(os.path.join(root, f"step_{s}"), ignore_errors=True)
     _barrier()
     return final
 
@@ -151,11 +151,6 @@ def _steps(root: str) -> list[int]:
     """The steps of the checkpoints under ``root`` (none when it does not exist), newest first."""
     names = os.listdir(root) if os.path.isdir(root) else []
     return sorted((int(m.group(1)) for d in names if (m := _STEP_DIR.match(d))), reverse=True)
-
-
-def _prune(root: str, max_num: int) -> None:
-    for s in _steps(root)[max_num:]:
-        shutil.rmtree(os.path.join(root, f"step_{s}"), ignore_errors=True)
 
 
 def _rng_state() -> dict[str, Any]:

@@ -194,10 +194,8 @@ class Source:
                         parts.append(self._group(reader, keys, part))
                     start += width
                 data = torch.cat(parts, dim=d)
-        for d, i in enumerate(index):
-            if torch.is_tensor(i):
-                data = data.index_select(d, i - box[d].start)
-        return data
+        # the box is read: strided positions are picked within it (ranges are the whole box)
+        return _select(data, tuple(i - b.start if torch.is_tensor(i) else slice(None) for i, b in zip(index, box)))
 
     def _group(self, reader: _Reader, keys: list[str], box: tuple[slice, ...]) -> torch.Tensor:
         if self.stacked:

@@ -72,9 +72,7 @@ class ValueModel(nn.Module):
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of any HF model (the classes it names in ``_no_split_modules``), in
     order: the unit that FSDP shards and activation checkpointing recomputes."""
-    names: set[str] = set()
-    for m in model.modules():
-        names.update(getattr(m, "_no_split_modules", None) or [])
+    names = {name for m in model.modules() for name in getattr(m, "_no_split_modules", None) or []}
     # by class, or by a base class: FSDP2 swaps in a subclass (FSDPQwen3DecoderLayer)
     layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not layers:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -38,19 +39,17 @@ def replay_routes(model: nn.Module, routed_experts: Tensor) -> Iterator[None]:
         raise ValueError(f"routed_experts must be [tokens, {len(layers)} moe layers, top_k], got "
                          f"{tuple(routed_experts.shape)}; was it recorded by an engine running this model?")
 
-    def make_hook(layer: int):
-        def hook(module: nn.Module, args: tuple, output: tuple) -> tuple:
-            logits, own = output[0], output[2]
-            ids = routed_experts[:, layer].to(logits.device, torch.long)
-            # A token with no recorded route (-1: e.g. prompt tokens the engine never routed) keeps its own.
-            ids = torch.where((ids >= 0).all(-1, keepdim=True), ids, own)
-            weights = torch.softmax(logits.float(), dim=-1).gather(-1, ids)
-            if getattr(module, "norm_topk_prob", True):
-                weights = weights / weights.sum(-1, keepdim=True)
-            return logits, weights.to(logits.dtype), ids
-        return hook
+    def hook(layer: int, module: nn.Module, args: tuple, output: tuple) -> tuple:
+        logits, own = output[0], output[2]
+        ids = routed_experts[:, layer].to(logits.device, torch.long)
+        # A token with no recorded route (-1: e.g. prompt tokens the engine never routed) keeps its own.
+        ids = torch.where((ids >= 0).all(-1, keepdim=True), ids, own)
+        weights = torch.softmax(logits.float(), dim=-1).gather(-1, ids)
+        if getattr(module, "norm_topk_prob", True):
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, weights.to(logits.dtype), ids
 
-    handles = [r.register_forward_hook(make_hook(i)) for i, r in enumerate(layers)]
+    handles = [r.register_forward_hook(partial(hook, i)) for i, r in enumerate(layers)]
     try:
         yield
     finally:

@@ -59,25 +59,11 @@ class Layout:
         names = self.mesh.mesh_dim_names
         self.size: dict[str, int] = dict(zip(names, self.mesh.shape))
         self.rank: dict[str, int] = dict(zip(names, self.mesh.get_coordinate()))
-
-    @property
-    def data_size(self) -> int:
-        """Ranks that see different samples (dp x ep)."""
-        return self.size["dp"] * self.size["ep"]
-
-    @property
-    def data_rank(self) -> int:
-        return self.rank["dp"] * self.size["ep"] + self.rank["ep"]
-
-    @property
-    def shard_size(self) -> int:
-        """The ranks FSDP shards (and averages gradients) over: dp x ep x cp."""
-        return self.data_size * self.size["cp"]
-
-    @property
-    def lead(self) -> bool:
-        """The first rank of its cp x tp group: counts what the group computed together once."""
-        return self.rank["cp"] == 0 and self.rank["tp"] == 0
+        self.data_size = self.size["dp"] * self.size["ep"]  # ranks that see different samples (dp x ep)
+        self.data_rank = self.rank["dp"] * self.size["ep"] + self.rank["ep"]
+        self.shard_size = self.data_size * self.size["cp"]  # the ranks FSDP shards (and averages gradients) over
+        # the first rank of its cp x tp group: counts what the group computed together once
+        self.lead = self.rank["cp"] == 0 and self.rank["tp"] == 0
 
     def fsdp_mesh(self, dims: tuple[str, ...] = ("dp", "ep", "cp")) -> DeviceMesh:
         """``dims`` flattened into the 1-D mesh FSDP shards over."""
@@ -175,14 +161,10 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     this takes gradients on different meshes (FSDP-only and FSDP x TP parameters): one reduction
     per mesh, then the sum."""
     by_mesh: dict[Any, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
-    squares = 0.0
-    for grads in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(grads)
-        squares += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2
-    total = squares ** 0.5
+    for grad in [p.grad for p in params if p.grad is not None]:
+        by_mesh.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
+    norms = [torch.nn.utils.get_total_norm(grads) for grads in by_mesh.values()]
+    total = sum(float(n.full_tensor() if hasattr(n, "full_tensor") else n) ** 2 for n in norms) ** 0.5
     if total > max_norm:
         for grads in by_mesh.values():
             torch._foreach_mul_(grads, max_norm / (total + 1e-6))

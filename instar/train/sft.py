@@ -63,8 +63,7 @@ def eval_loss(worker: TrainWorker, samples: list[Sample]) -> float:
 
 def _sft_rank(rank: int, world: int, port: int, cfg: SFTConfig) -> dict[str, float]:
     torch.set_num_threads(cpu_threads(world))  # nothing else computes during SFT: the ranks share every core
-    tokenizer = load_tokenizer(cfg.actor.model_name_or_path, cfg.sft.chat_template, cfg.sft.chat_template_kwargs,
-                               "sft")
+    tokenizer = load_tokenizer(cfg.actor.model_name_or_path, cfg.sft.chat_template, cfg.sft.chat_template_kwargs, "sft")
     samples = load_sft_samples(cfg.sft.dataset, tokenizer, cfg.sft.messages_key, cfg.sft.max_len,
                                split=cfg.sft.split, vision=Vision.from_pretrained(cfg.actor.model_name_or_path),
                                subset=Subset(cfg.sft.dataset_config, cfg.sft.dataset_revision, cfg.sft.data_files))
