@@ -23,12 +23,11 @@ class FSDPConfig:
     attn_implementation: Literal["auto", "packed", "sdpa", "eager", "flash_attention_2", "flex_attention",
                                  "te"] = "auto"
     """Trainer attention over packed rows: packed (one causal SDPA call per sequence, no mask; with --cpu.enable the
-    CPU accelerator's C kernel), flash_attention_2
-    (varlen kernel; needs the flash-attn package and a GPU), flex_attention (a document mask, PyTorch's
-    FlexAttention; GPU only: it has no backward on CPU), sdpa / eager (transformers' own, with a block-diagonal
-    mask), or auto (flex_attention on a GPU; on CPU packed, or sdpa for a model with a sliding window). te (Molt's
-    value): the fastest kernel here, flash_attention_2 where flash-attn is installed, else auto's choice; it says
-    which."""
+    CPU accelerator's C kernel), flash_attention_2 (varlen kernel; needs the flash-attn package and a GPU),
+    flex_attention (a document mask, PyTorch's FlexAttention; GPU only: it has no backward on CPU), sdpa / eager
+    (transformers' own, with a block-diagonal mask), or auto (flex_attention on a GPU; on CPU packed, or sdpa for a
+    model with a sliding window). te (Molt's value): the fastest kernel here, flash_attention_2 where flash-attn is
+    installed, else auto's choice; it says which."""
     tp_size: int = 1
     """Tensor parallelism: each of this many ranks holds a slice of every attention and MLP weight and a
     share of the heads; they see the same samples. Divides --fsdp.num_ranks."""

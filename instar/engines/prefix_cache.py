@@ -34,8 +34,7 @@ class PrefixCache:
             self.pop(next(iter(self._entries)))
 
     def pop(self, session_id: str) -> CachedPrefix | None:
-        entry = self._entries.pop(session_id, None)
-        if entry is not None:
+        if (entry := self._entries.pop(session_id, None)) is not None:
             self._tokens -= len(entry.ids)
         return entry
 

@@ -87,8 +87,7 @@ class Router:
     def release(self, session_id: str) -> None:
         """Forget a finished session (its next request, if any, is placed afresh); its engine frees what
         it cached for it."""
-        index = self.sessions.pop(session_id, None)
-        if index is not None:
+        if (index := self.sessions.pop(session_id, None)) is not None:
             self.engines[index].release(session_id)
 
     async def load(self) -> EngineLoad:

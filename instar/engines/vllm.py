@@ -149,21 +149,22 @@ class VLLMEngine:
                        session_id: str | None = None, images: ImageInputs | None = None) -> Generation:
         """Sample one turn after ``prompt_token_ids``. ``session_id`` is not needed: vLLM's prefix cache
         finds a session's earlier turns by their token ids. Images are not passed to vLLM yet."""
-        _no_images(images)
-        async with contextlib.aclosing(self._sample(prompt_token_ids, sampling_params, streamed=False)) as items:
+        async with contextlib.aclosing(self._sample(prompt_token_ids, sampling_params, images)) as items:
             return await anext(items)  # its one item: the Generation
 
     def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                session_id: str | None = None, images: ImageInputs | None = None,
                ) -> AsyncIterator[Sampled | Generation]:
         """`generate`, yielding each step's new tokens from vLLM's output stream."""
-        _no_images(images)
-        return self._sample(prompt_token_ids, sampling_params, streamed=True)
+        return self._sample(prompt_token_ids, sampling_params, images, streamed=True)
 
-    async def _sample(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                      streamed: bool) -> AsyncIterator[Sampled | Generation]:
+    async def _sample(self, prompt_token_ids: list[int], sampling_params: SamplingParams, images: ImageInputs | None,
+                      streamed: bool = False) -> AsyncIterator[Sampled | Generation]:
         from vllm.inputs import TokensPrompt
 
+        if images is not None:
+            raise NotImplementedError("the vLLM backend does not take images yet; use --rollout.engine embedded for "
+                                      "vision-language models")
         check_prompt(prompt_token_ids, self._vocab, self._max_model_len, "max_model_len")
         vllm_params = to_vllm_sampling_params(sampling_params, len(prompt_token_ids), self.routing_replay, streamed)
         prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
@@ -215,13 +216,10 @@ class VLLMEngine:
         `join_weight_group` + `receive_weights`). Call while paused."""
         from safetensors.torch import save
 
-        self._check_paused()
         # contiguous CPU copies; a tied head is dropped here and re-derived from the embedding in the worker
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors
                    if not (self._tied and name == "lm_head.weight")}
-        await self._wake("weights")
-        await self.llm.collective_rpc("instar_load_weights", args=(save(tensors), self._tied))
-        await self._after_update(version)
+        await self._load("instar_load_weights", (save(tensors), self._tied), version)
 
     async def join_weight_group(self, open_group: Callable, master_addr: str, master_port: int, first_rank: int,
                                 world_size: int, transport: str = "gloo") -> None:
@@ -235,10 +233,7 @@ class VLLMEngine:
     async def receive_weights(self, receive: Callable, version: int) -> None:
         """Every worker receives one broadcast from the trainer straight into vLLM (NCCL on GPU, gloo
         on CPU) with ``receive`` (`instar.train.weight_sync.receive_weights`). Call while paused."""
-        self._check_paused()
-        await self._wake("weights")
-        await self.llm.collective_rpc("instar_receive_weights", args=(qualname(receive), self._tied))
-        await self._after_update(version)
+        await self._load("instar_receive_weights", (qualname(receive), self._tied), version)
 
     async def close(self) -> None:
         """Abort every request and shut the vLLM engine (and its processes) down."""
@@ -254,17 +249,18 @@ class VLLMEngine:
             await self.llm.wake_up(tags=[tag])
             self._asleep.discard(tag)
 
-    async def _after_update(self, version: int) -> None:
+    async def _load(self, method: str, args: tuple, version: int) -> None:
+        """Every worker loads new weights with the extension's ``method``, then they are labelled ``version``."""
+        if not self._paused:
+            raise RuntimeError("update_weights needs a paused engine (requests would sample from half-loaded "
+                               "weights); await engine.pause('keep') first and engine.resume() after")
+        await self._wake("weights")
+        await self.llm.collective_rpc(method, args=args)
         await self._wake("kv_cache")
         # Preempts running requests too: they are re-prefilled under the new weights after resume.
         await self.llm.reset_prefix_cache(reset_running_requests=True)
         await self.llm.update_weight_version(str(version))
         self.version = version
-
-    def _check_paused(self) -> None:
-        if not self._paused:
-            raise RuntimeError("update_weights needs a paused engine (requests would sample from half-loaded "
-                               "weights); await engine.pause('keep') first and engine.resume() after")
 
     def _generation(self, out: Any) -> Generation:
         tokens = list(out.token_ids)
@@ -315,8 +311,3 @@ def routed_per_token(rows: Any, num_tokens: int, layers: list[int], top_k: int) 
 def qualname(fn: Callable) -> str:
     return f"{fn.__module__}.{fn.__qualname__}"
 
-
-def _no_images(images: ImageInputs | None) -> None:
-    if images is not None:
-        raise NotImplementedError("the vLLM backend does not take images yet; use --rollout.engine embedded for "
-                                  "vision-language models")

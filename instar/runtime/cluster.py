@@ -85,13 +85,18 @@ class Cluster:
             raise
 
     async def _start(self) -> Cluster:
+        cfg = self.cfg
         self._init_ray()
-        replay = bool(self.cfg.train.rollout_replay_dir)  # training from a dump: no engines, no agents
+        replay = bool(cfg.train.rollout_replay_dir)  # training from a dump: no engines, no agents
         gpu = ray.cluster_resources().get("GPU", 0) > 0
         engine = self._choose_engine(gpu, replay)
         where = self._place(engine, gpu, replay)
-        self.engines = self._start_engines(engine, where)
-        self.agents = [] if replay else self._start_agents()
+        # a rollout engine actor per placement slot, and the agent runners, each routing to every engine
+        self.engines = [EngineActor.options(**ray_options(s)).remote(
+            cfg.actor.model_name_or_path, engine, cfg.engine, cfg.train.routing_replay, cpu_share=s.cpu_share,
+            cpu=cfg.cpu) for s in where.engines]
+        self.agents = [] if replay else [AgentActor.options(num_cpus=0).remote(cfg, self.engines, self.reward_fns)
+                                         for _ in range(cfg.rollout.num_agent_runners)]
         if self.train:
             await self._start_trainer(gpu, where)
         return self
@@ -121,23 +126,22 @@ class Cluster:
         if not replay:
             print(f"instar: rollout engine {engine} (--rollout.engine {cfg.rollout.engine}, "
                   f"{'a GPU' if gpu else 'no GPU'} in the Ray cluster)", flush=True)
-        vllm, tp = engine == "vllm", cfg.engine.tensor_parallel_size
-        if vllm:
+        if engine == "vllm":
             from instar.engines.vllm import check_engine_config
 
             check_engine_config(cfg.engine, "cuda" if gpu else "cpu", cfg.train.routing_replay)
-        self.per_engine = tp if vllm else 1  # weight-sync ranks per engine: one per tensor-parallel worker
+        # weight-sync ranks per engine: one per tensor-parallel worker (also the GPUs an engine takes)
+        self.per_engine = cfg.engine.tensor_parallel_size if engine == "vllm" else 1
         return engine
 
     def _place(self, engine: str, gpu: bool, replay: bool) -> Placement:
         """Where the engines and trainer ranks run (said when it is more than one CPU node)."""
-        cfg = self.cfg
-        vllm, tp = engine == "vllm", cfg.engine.tensor_parallel_size
+        cfg, vllm = self.cfg, engine == "vllm"
         # Threads: in sync mode generation and training take turns, so each gets every core of its node;
         # otherwise engines and trainer ranks on one node compute at the same time and share its cores
         # (bench/rl_step.py measures it).
         engines, ranks = 0 if replay else cfg.engine.num_engines, cfg.fsdp.num_ranks if self.train else 0
-        where = plan(nodes(), engines, (tp if vllm else 1) if gpu else 0, ranks, cfg.ray.placement,
+        where = plan(nodes(), engines, self.per_engine if gpu else 0, ranks, cfg.ray.placement,
                      cfg.train.force_sync_mode)
         self.transport = where.transport
         if len({s.node_id for s in where.engines + where.ranks}) > 1 or gpu:
@@ -148,19 +152,6 @@ class Cluster:
             print(f"instar: warning: colocated, vLLM may take {cfg.engine.gpu_memory_utilization:.0%} of each GPU the "
                   "trainer shares; lower --engine.gpu_memory_utilization if the trainer runs out of memory", flush=True)
         return where
-
-    def _start_engines(self, engine: str, where: Placement) -> list[Any]:
-        """One rollout engine actor per placement slot (none when training from a dump)."""
-        cfg = self.cfg
-        return [EngineActor.options(**ray_options(s)).remote(
-            cfg.actor.model_name_or_path, engine, cfg.engine, cfg.train.routing_replay, cpu_share=s.cpu_share,
-            cpu=cfg.cpu) for s in where.engines]
-
-    def _start_agents(self) -> list[Any]:
-        """--rollout.num_agent_runners agent runner actors, each routing to every engine."""
-        cfg = self.cfg
-        return [AgentActor.options(num_cpus=0).remote(cfg, self.engines, self.reward_fns)
-                for _ in range(cfg.rollout.num_agent_runners)]
 
     async def _start_trainer(self, gpu: bool, where: Placement) -> None:
         """The trainer ranks, and the weight-sync group from rank 0 to the engines."""

@@ -302,12 +302,10 @@ class RemoteEngine:
         try:
             async for ref in self.handle.generate_many.remote(requests, released):
                 for key, result in await ref:
-                    if (answer := self._sent.pop(key, None)) is not None:
-                        _settle(answer, result)
+                    _settle(self._sent.pop(key, None), result)
         except Exception as error:  # the actor died, or refused the whole call
             for key, *_ in requests:
-                if (answer := self._sent.pop(key, None)) is not None:
-                    _settle(answer, error)
+                _settle(self._sent.pop(key, None), error)
 
     async def stream(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                      session_id: str | None = None, images: ImageInputs | None = None,
@@ -350,6 +348,7 @@ class RemoteEngine:
                 self._load = None
 
 
-def _settle(answer: asyncio.Future, result: Any) -> None:
-    if not answer.done():
+def _settle(answer: asyncio.Future | None, result: Any) -> None:
+    """Answer a request still waiting (None: one already answered, or cancelled by its caller)."""
+    if answer is not None and not answer.done():
         (answer.set_exception if isinstance(result, BaseException) else answer.set_result)(result)
