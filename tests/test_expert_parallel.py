@@ -94,3 +94,13 @@ def test_rl_runs_two_steps_with_expert_parallel_ranks(tmp_path, tiny_moe_dir):
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(abs(m["actor/vllm_kl"]) < 1e-3 for m in metrics)  # step 2 samples with the synced weights
     assert metrics[0]["actor/grad_norm"] > 0 and (tmp_path / "run/hf/model.safetensors").exists()
+
+
+def test_expert_and_context_parallel_together_equal_one_rank(tmp_path_factory, tmp_path):
+    """ep=2 x cp=2 on 4 ranks (a MoE model with 4 heads: Ulysses splits them over the context ranks)."""
+    from instar.data.tiny_model import TinySpec, build_tiny_model
+
+    model = build_tiny_model(tmp_path_factory.mktemp("moe_heads4"), TinySpec(moe=True, heads=4, kv_heads=2))
+    one_rank = train_job(0, 1, reserve_port(), model, {}, SAMPLES, None)
+    check_equals_one_rank(model, SAMPLES, one_rank, 4, {"ep_size": 2, "cp_size": 2}, {"cp_size": 2},
+                          str(tmp_path / "ckpt"))

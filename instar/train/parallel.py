@@ -52,7 +52,7 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 class Layout:
     """This rank's place in the mesh, and what the worker needs from it."""
 
-    mesh: DeviceMesh  # ("dp", "ep", "cp", "tp")
+    mesh: DeviceMesh  # ("dp", "cp", "ep", "tp")
 
     def __post_init__(self) -> None:
         # by dimension name, read once: the worker asks for these in every micro-batch, and slicing a mesh is not free
@@ -65,7 +65,7 @@ class Layout:
         # the first rank of its cp x tp group: counts what the group computed together once
         self.lead = self.rank["cp"] == 0 and self.rank["tp"] == 0
 
-    def fsdp_mesh(self, dims: tuple[str, ...] = ("dp", "ep", "cp")) -> DeviceMesh:
+    def fsdp_mesh(self, dims: tuple[str, ...] = ("dp", "cp", "ep")) -> DeviceMesh:
         """``dims`` flattened into the 1-D mesh FSDP shards over."""
         if len([d for d in dims if self.size[d] > 1]) <= 1:  # nothing to flatten: the one dimension with ranks
             return self.mesh[next((d for d in dims if self.size[d] > 1), dims[0])]
@@ -79,8 +79,10 @@ def build_layout(fsdp: FSDPConfig) -> Layout:
         raise ValueError(f"--fsdp.num_ranks is {fsdp.num_ranks} but {world} trainer processes joined; "
                          "start exactly --fsdp.num_ranks ranks")
     check_layout(fsdp)
-    shape = (fsdp.data_size // fsdp.ep_size, fsdp.ep_size, fsdp.cp_size, fsdp.tp_size)
-    return Layout(init_device_mesh(device_type(), shape, mesh_dim_names=("dp", "ep", "cp", "tp")))
+    # cp before ep: to reduce an expert gradient's norm DTensor flattens its (cp, ep) dimensions, which must be in
+    # mesh order (EP x CP failed in clip_grad_norm the other way round)
+    shape = (fsdp.data_size // fsdp.ep_size, fsdp.cp_size, fsdp.ep_size, fsdp.tp_size)
+    return Layout(init_device_mesh(device_type(), shape, mesh_dim_names=("dp", "cp", "ep", "tp")))
 
 
 def parallelize(model: nn.Module, layout: Layout, fsdp: FSDPConfig) -> nn.Module:
