@@ -37,14 +37,15 @@ class Slot:
 
 @dataclass(frozen=True)
 class Placement:
+    """Each engine's and trainer rank's slot, and how the weights reach the engines (`instar.train.weight_sync`):
+    gloo through host memory to engines on CPUs, NCCL to engines on GPUs of their own, CUDA IPC to engines on
+    trainer rank 0's one GPU. Engines that share several GPUs with the trainer get gloo: NCCL refuses two ranks of
+    a group on one GPU, and IPC reaches only the GPU rank 0 sends from."""
+
     layout: Literal["colocated", "disaggregated"]
     engines: list[Slot]
     ranks: list[Slot]
     transport: Transport = "gloo"
-    """How the weights reach the engines (`instar.train.weight_sync`): gloo through host memory to engines on
-    CPUs, NCCL to engines on GPUs of their own, CUDA IPC to engines on trainer rank 0's one GPU. Engines that
-    share several GPUs with the trainer get gloo: NCCL refuses two ranks of a group on one GPU, and IPC reaches
-    only the GPU rank 0 sends from."""
 
 
 class PlacementError(ConfigError):

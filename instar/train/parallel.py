@@ -2,8 +2,8 @@
 `parallelize`, the one entry that applies tensor, expert and context parallelism, activation
 checkpointing, torch.compile and FSDP2 to any model, in that order. The model code never sees any of it.
 
-The mesh is (dp, ep, cp, tp), row-major over the ranks: tp innermost (the ranks that exchange the
-most), then cp; dp x ep ranks see different samples, cp and tp ranks of one data shard the same.
+The mesh is (dp, cp, ep, tp), row-major over the ranks: tp innermost (the ranks that exchange the
+most); dp x ep ranks see different samples, cp and tp ranks of one data shard the same.
 """
 
 from __future__ import annotations
