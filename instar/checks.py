@@ -114,6 +114,9 @@ def check_layout(fsdp: FSDPConfig, model: Any = None) -> None:
     if fsdp.data_size % ep:
         raise ConfigError(f"--fsdp.ep_size {ep} must divide the data-parallel ranks (--fsdp.num_ranks / (tp x cp) "
                           f"= {fsdp.data_size}); use --fsdp.num_ranks {ep * tp * cp} or a smaller --fsdp.ep_size")
+    if fsdp.replicate_size < 1 or fsdp.data_size // ep % fsdp.replicate_size:
+        raise ConfigError(f"--fsdp.replicate_size {fsdp.replicate_size} must divide the data-parallel ranks outside "
+                          f"expert parallelism (--fsdp.num_ranks / (tp x cp x ep) = {fsdp.data_size // ep})")
     if fsdp.compile and tp > 1:  # torch 2.13: the compiled layers' backward recurses without end over DTensors
         raise ConfigError("--fsdp.compile does not run with --fsdp.tp_size > 1 yet; drop one of them")
     if model is None:

@@ -44,8 +44,9 @@ def one_rank(tiny_moe_dir):
     return train_job(0, 1, reserve_port(), tiny_moe_dir, {}, SAMPLES, None)
 
 
-@pytest.mark.parametrize("world, fsdp, other", [(2, {"ep_size": 2}, {}), (4, {"ep_size": 2}, {"ep_size": 2})],
-                         ids=["ep2", "ep2xdp2"])
+@pytest.mark.parametrize("world, fsdp, other", [(2, {"ep_size": 2}, {}), (4, {"ep_size": 2}, {"ep_size": 2}),
+                                                (4, {"ep_size": 2, "replicate_size": 2}, {})],
+                         ids=["ep2", "ep2xdp2", "ep2xhsdp2"])
 def test_expert_parallel_equals_one_rank(tiny_moe_dir, one_rank, tmp_path, world, fsdp, other):
     # ep=2 x dp=2 resumes at ep=2 on 2 ranks, ep=2 at dp=2: the experts change hands either way
     check_equals_one_rank(tiny_moe_dir, SAMPLES, one_rank, world, fsdp, other, str(tmp_path / "ckpt"))

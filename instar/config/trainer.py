@@ -37,6 +37,9 @@ class FSDPConfig:
     cp_size: int = 1
     """Context parallelism: each packed row is split over this many ranks (Ulysses: all-to-all over
     heads around attention); they see the same samples. Divides --fsdp.num_ranks."""
+    replicate_size: int = 1
+    """Hybrid sharding (HSDP): the data ranks form this many groups, each holding a whole sharded copy of the
+    model; gradients reduce within a group, then across the groups (one group per node is usual)."""
 
     @property
     def data_size(self) -> int:

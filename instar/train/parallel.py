@@ -2,8 +2,9 @@
 `parallelize`, the one entry that applies tensor, expert and context parallelism, activation
 checkpointing, torch.compile and FSDP2 to any model, in that order. The model code never sees any of it.
 
-The mesh is (dp, cp, ep, tp), row-major over the ranks: tp innermost (the ranks that exchange the
-most); dp x ep ranks see different samples, cp and tp ranks of one data shard the same.
+The mesh is (rep, dp, cp, ep, tp), row-major over the ranks: tp innermost (the ranks that exchange the
+most), the replicas of hybrid sharding outermost (across nodes, when ranks fill nodes in order); rep x dp x ep
+ranks see different samples, cp and tp ranks of one data shard the same.
 """
 
 from __future__ import annotations
@@ -52,24 +53,27 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 class Layout:
     """This rank's place in the mesh, and what the worker needs from it."""
 
-    mesh: DeviceMesh  # ("dp", "cp", "ep", "tp")
+    mesh: DeviceMesh  # ("rep", "dp", "cp", "ep", "tp")
 
     def __post_init__(self) -> None:
         # by dimension name, read once: the worker asks for these in every micro-batch, and slicing a mesh is not free
         names = self.mesh.mesh_dim_names
         self.size: dict[str, int] = dict(zip(names, self.mesh.shape))
         self.rank: dict[str, int] = dict(zip(names, self.mesh.get_coordinate()))
-        self.data_size = self.size["dp"] * self.size["ep"]  # ranks that see different samples (dp x ep)
-        self.data_rank = self.rank["dp"] * self.size["ep"] + self.rank["ep"]
+        self.data_size = self.size["rep"] * self.size["dp"] * self.size["ep"]  # ranks that see different samples
+        self.data_rank = (self.rank["rep"] * self.size["dp"] + self.rank["dp"]) * self.size["ep"] + self.rank["ep"]
         self.shard_size = self.data_size * self.size["cp"]  # the ranks FSDP shards (and averages gradients) over
         # the first rank of its cp x tp group: counts what the group computed together once
         self.lead = self.rank["cp"] == 0 and self.rank["tp"] == 0
 
     def fsdp_mesh(self, dims: tuple[str, ...] = ("dp", "cp", "ep")) -> DeviceMesh:
-        """``dims`` flattened into the 1-D mesh FSDP shards over."""
+        """``dims`` flattened into the 1-D mesh FSDP shards over; under hybrid sharding (replicas) the 2-D
+        (rep, shard) mesh FSDP2 replicates over and shards within."""
         if len([d for d in dims if self.size[d] > 1]) <= 1:  # nothing to flatten: the one dimension with ranks
-            return self.mesh[next((d for d in dims if self.size[d] > 1), dims[0])]
-        return self.mesh[dims]._flatten("_".join(dims))
+            shard = next((d for d in dims if self.size[d] > 1), dims[0])
+        else:
+            shard = self.mesh[dims]._flatten("_".join(dims)).mesh_dim_names[0]
+        return self.mesh[("rep", shard) if self.size["rep"] > 1 else shard]
 
 
 def build_layout(fsdp: FSDPConfig) -> Layout:
@@ -81,8 +85,9 @@ def build_layout(fsdp: FSDPConfig) -> Layout:
     check_layout(fsdp)
     # cp before ep: to reduce an expert gradient's norm DTensor flattens its (cp, ep) dimensions, which must be in
     # mesh order (EP x CP failed in clip_grad_norm the other way round)
-    shape = (fsdp.data_size // fsdp.ep_size, fsdp.cp_size, fsdp.ep_size, fsdp.tp_size)
-    return Layout(init_device_mesh(device_type(), shape, mesh_dim_names=("dp", "cp", "ep", "tp")))
+    rep = fsdp.replicate_size
+    shape = (rep, fsdp.data_size // fsdp.ep_size // rep, fsdp.cp_size, fsdp.ep_size, fsdp.tp_size)
+    return Layout(init_device_mesh(device_type(), shape, mesh_dim_names=("rep", "dp", "cp", "ep", "tp")))
 
 
 def parallelize(model: nn.Module, layout: Layout, fsdp: FSDPConfig) -> nn.Module:
@@ -148,10 +153,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig, expert_mesh
         fully_shard(experts, mesh=expert_mesh, mp_policy=mp, offload_policy=offload)
         # An expert's gradient already sums the losses of its ep group (the all-to-all's backward);
         # every loss is scaled by mesh.size() (dp x ep x cp), so divide by that, not by expert_mesh's
-        # dp x cp. Gloo has no pre-multiplied sum: sum, then divide (not on one rank, where torch 2.13
-        # would divide twice).
+        # dp x cp. Gloo has no pre-multiplied sum: sum, then divide (not where the experts shard over one rank,
+        # HSDP's replicas aside: torch 2.13 would then divide twice).
         experts.set_gradient_divide_factor(float(mesh.size()))
-        experts.set_force_sum_reduction_for_comms(expert_mesh.size() > 1)
+        experts.set_force_sum_reduction_for_comms(expert_mesh.shape[-1] > 1)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
