@@ -37,16 +37,7 @@ from torch import nn
 
 from instar.config import EngineConfig
 from instar.contract import Generation, ImageInputs, SamplingParams
-from instar.engines.kv_model import (
-    SlotCache,
-    check_supported,
-    decoder,
-    forward,
-    is_moe,
-    load_named,
-    make_batch,
-    text_config,
-)
+from instar.engines.kv_model import SlotCache, check_supported, forward, load_named, make_batch, moe_shape, text_config
 from instar.engines.prefix_cache import CachedPrefix, PrefixCache, common_prefix_len
 from instar.engines.protocol import EngineLoad, PauseMode, Sampled, StepAccelerator, check_prompt
 from instar.engines.request import Request, attach_images, image_features
@@ -64,8 +55,7 @@ class EmbeddedEngine:
         self.cfg = cfg or EngineConfig()
         self.version = version  # of the weights that new requests sample
         self._params = dict(model.named_parameters(remove_duplicate=False))  # tied lm_head.weight included
-        moe_layers = sum(is_moe(layer) for layer in decoder(model).layers)
-        self._routing_shape = (moe_layers, text_config(model).num_experts_per_tok) if moe_layers else None
+        self._routing_shape = moe_shape(model)
         self.max_model_len = text_config(model).max_position_embeddings
         self._vision = hasattr(model.model, "visual")
         self._cache = SlotCache(model)
@@ -301,12 +291,11 @@ class EmbeddedEngine:
         usually one forward for all (decode rows and new prompts together); a longer single prompt
         runs alone; during a drain, the requests on the previous model forward apart. Rows of one length
         are in slot order (see `_compact`)."""
-        groups: list[list[Request]] = [[]]
+        groups: list[list[Request]] = []
         size = 0
         for request in sorted(self._running, key=lambda r: (r.previous, len(r.ids) - r.cached, r.slot)):
             n = len(request.ids) - request.cached
-            full = size + n > self.cfg.max_num_batched_tokens
-            if groups[-1] and (full or groups[-1][0].previous != request.previous):
+            if not groups or size + n > self.cfg.max_num_batched_tokens or groups[-1][0].previous != request.previous:
                 groups.append([])
                 size = 0
             groups[-1].append(request)

@@ -57,6 +57,12 @@ def is_moe(layer: nn.Module) -> bool:
     return moe
 
 
+def moe_shape(model: nn.Module) -> tuple[int, int] | None:
+    """(MoE layers, experts per token): the shape of a token's routing in `forward`'s output; None: a dense model."""
+    moe_layers = sum(is_moe(layer) for layer in decoder(model).layers)
+    return (moe_layers, text_config(model).num_experts_per_tok) if moe_layers else None
+
+
 class SlotCache:
     """Keys and values of every running request, one slot each, (slots, kv_heads, capacity, head_dim)
     per layer; both the slots and the capacity grow by doubling, up to what is asked. Every slot spans
@@ -153,8 +159,7 @@ class Batch:
         if self._rows is None:
             _, kv_heads, capacity, _ = cache.shape
             heads = torch.arange(kv_heads, device=self.slots.device)
-            rows = (self.slots[:, None] * kv_heads + heads) * capacity + self.positions[:, None]
-            self._rows = rows.reshape(-1)
+            self._rows = ((self.slots[:, None] * kv_heads + heads) * capacity + self.positions[:, None]).reshape(-1)
         return self._rows
 
 
@@ -170,8 +175,7 @@ def make_batch(cache: SlotCache, new_ids: list[list[int]], slots: list[int], pas
     decode = max(sizes) == 1  # a pure decode step: packed token b is row b's, at position past[b]
     # every index the step needs from Python in one tensor: tokens, past, slots
     flat = ints([*(t for ids in new_ids for t in ids), *past, *slots])
-    n = sum(sizes)
-    tokens, past_t, slots_t = flat[:n], flat[n: n + rows], flat[n + rows: n + 2 * rows]
+    tokens, past_t, slots_t = flat.split([sum(sizes), rows, rows])
     span = max(p + n for p, n in zip(past, sizes))
     cache.reserve(span, max(slots) + 1)
     if decode:  # no gathering at all
@@ -257,8 +261,8 @@ def attend(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     cache.v[layer].view(-1, head_dim).index_copy_(0, batch.write_rows(cache), v.reshape(-1, head_dim))
     out = torch.empty_like(q)
     for group in batch.groups:
-        if kernel is not None and group.grid.shape[1] == 1:
-            rows = group.grid[:, 0]  # the decode rows of a step that also prefills: one query each
+        rows = None if group.grid is None or group.grid.shape[1] > 1 else group.grid[:, 0]  # a mixed step's decode rows
+        if kernel is not None and rows is not None:
             out.index_copy_(0, rows, kernel(q[rows], cache.k[layer], cache.v[layer], group.slots, group.lengths,
                                             group.span, attn.scaling))
             continue
@@ -269,9 +273,8 @@ def attend(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
             keys, values = (c[layer][:, :, :span].index_select(0, group.slots) for c in (cache.k, cache.v))
         if group.grid is None:  # a pure decode step: every row, in packed order
             out = _decode_attention(q, keys, values, group.decode_bias(q.shape[1], q.dtype), attn.scaling)
-        elif group.grid.shape[1] == 1:  # the decode rows of a step that also prefills
-            out[group.grid[:, 0]] = _decode_attention(q[group.grid[:, 0]], keys, values,
-                                                      group.decode_bias(q.shape[1], q.dtype), attn.scaling)
+        elif rows is not None:  # the decode rows of a step that also prefills: one query each
+            out[rows] = _decode_attention(q[rows], keys, values, group.decode_bias(q.shape[1], q.dtype), attn.scaling)
         else:
             query = q[group.grid].transpose(1, 2)  # (rows, heads, T, head_dim)
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask, scale=attn.scaling,

@@ -46,9 +46,8 @@ class Request:
     def record_routing(self, rows: torch.Tensor) -> None:
         """Keep the routing ``rows`` of the fed positions ``cached..`` that hold sampled tokens (re-fed ones are
         overwritten)."""
-        start = max(self.cached, self.prompt_len)
-        first = start - self.prompt_len
-        sampled_rows = rows[start - self.cached:]
+        first = max(self.cached - self.prompt_len, 0)  # the first fed sampled token's index
+        sampled_rows = rows[max(self.prompt_len - self.cached, 0):]
         self.routed[first: first + len(sampled_rows)] = list(sampled_rows.unbind(0))
 
     def generation(self, routing_shape: tuple[int, int] | None) -> Generation:
@@ -82,8 +81,8 @@ def image_features(model: nn.Module, request: Request) -> tuple[torch.Tensor, to
     if request.images is None or request.cached >= request.prompt_len:  # decoding: no image token is new
         return None
     runs = request.images.runs(request.ids[: request.prompt_len])  # a sampled placeholder id is no image
-    need = [k for k, (start, end) in enumerate(runs) if end > request.cached and k not in request.features]
-    if need:
+    fed = [(k, start, end) for k, (start, end) in enumerate(runs) if end > request.cached]  # images with new tokens
+    if need := [k for k, _, _ in fed if k not in request.features]:
         parts = request.images.split()
         inputs = ImageInputs.cat([parts[k] for k in need])
         out = model.model.get_image_features(inputs.pixel_values.to(model.device, model.dtype),
@@ -91,10 +90,6 @@ def image_features(model: nn.Module, request: Request) -> tuple[torch.Tensor, to
         levels = [out.pooler_output, *out.deepstack_features]
         for j, k in enumerate(need):
             request.features[k] = torch.stack([level[j] for level in levels])
-    at, features = [], []
-    for k, (start, end) in enumerate(runs):
-        first = max(start, request.cached)
-        if end > first:
-            at.append(torch.arange(first, end) - request.cached)
-            features.append(request.features[k][:, first - start:])
+    at = [torch.arange(max(start, request.cached), end) - request.cached for _, start, end in fed]
+    features = [request.features[k][:, max(0, request.cached - start):] for k, start, _ in fed]
     return (torch.cat(at), torch.cat(features, dim=1)) if at else None

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 PACKED = "instar_packed"
 
@@ -138,8 +139,8 @@ def _shared_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     q_index, k_index, mask, real = (t.to(query.device) for t in plan)
     q, k, v = (_gather_tokens(t, i) for t, i in ((query, q_index), (key, k_index), (value, k_index)))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw).transpose(1, 2)
-    out = out.reshape(q_index.numel(), -1)  # [S, Tq, heads, d] -> the row's [1, N, heads, d]
-    return _FromPadded.apply(out, real).view(1, query.shape[2], query.shape[1], -1)
+    # [S, Tq, heads, d] -> the row's [1, N, heads, d]
+    return _FromPadded.apply(out.reshape(q_index.numel(), -1), real).view(1, query.shape[2], query.shape[1], -1)
 
 
 def _gather_tokens(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -153,12 +154,9 @@ def _gather_tokens(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def kernel_plan(segments: Segments) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each segment's key rows ``[S, Tk]`` (its context's, then its own; zeros past them), its context's and its
     own lengths: the key rows `_shared_attention` gathers, and what a kernel that reads the row in place needs."""
-    b = segments.bounds
-    own = [list(range(b[k], b[k + 1])) for k in range(len(b) - 1)]
+    own = [list(range(a, z)) for a, z in zip(segments.bounds, segments.bounds[1:])]
     seen = [[p for c in ctx for p in own[c]] for ctx in segments.context]  # each segment's context rows, in order
-    index = torch.zeros(len(own), max(len(s) + len(o) for s, o in zip(seen, own)), dtype=torch.long)
-    for k, (s, o) in enumerate(zip(seen, own)):
-        index[k, :len(s) + len(o)] = torch.tensor(s + o)
+    index = pad_sequence([torch.tensor(s + o, dtype=torch.long) for s, o in zip(seen, own)], batch_first=True)
     return index, torch.tensor([len(s) for s in seen]), torch.tensor([len(o) for o in own])
 
 
@@ -221,9 +219,9 @@ def attention_for(path: str, choice: str = "auto", accelerated: bool = False) ->
     # no mask function: transformers then builds none; eager under --fsdp.compile (see `parallel.compile_layers`)
     AttentionInterface.register(PACKED, torch.compiler.disable(packed_attention))
     gpu = torch.cuda.is_available()
+    flash = gpu and importlib.util.find_spec("flash_attn") is not None
     if choice == "te":  # transformers runs no TransformerEngine attention in HF models: the fastest kernel there is
-        impl = attention_for(path, "flash_attention_2" if gpu and importlib.util.find_spec("flash_attn") else "auto",
-                             accelerated)
+        impl = attention_for(path, "flash_attention_2" if flash else "auto", accelerated)
         print(f"instar: --fsdp.attn_implementation te (TransformerEngine) runs {impl}, the fastest attention here",
               flush=True)
         return impl
@@ -242,8 +240,7 @@ def attention_for(path: str, choice: str = "auto", accelerated: bool = False) ->
     if choice == "flex_attention" and not gpu:
         raise ValueError("--fsdp.attn_implementation flex_attention needs a CUDA GPU (PyTorch's FlexAttention "
                          "has no backward on CPU); use packed (or auto) on CPU")
-    if choice == "flash_attention_2":
-        if importlib.util.find_spec("flash_attn") is None or not gpu:
-            raise ValueError("--fsdp.attn_implementation flash_attention_2 needs a CUDA GPU and the flash-attn "
-                             "package (pip install flash-attn); use packed (or auto) otherwise")
+    if choice == "flash_attention_2" and not flash:
+        raise ValueError("--fsdp.attn_implementation flash_attention_2 needs a CUDA GPU and the flash-attn "
+                         "package (pip install flash-attn); use packed (or auto) otherwise")
     return choice
