@@ -90,16 +90,13 @@ def open_sync_group(master_addr: str, master_port: int, rank: int, world_size: i
 def _ipc_handle(flat: Tensor) -> Tensor:
     """torch's CUDA IPC handle of ``flat`` (uint8) as JSON, padded to `HANDLE_BYTES`: data, never a pickle."""
     args = reduce_tensor(flat)[1]  # (tensor class, size, stride, offset, storage class, dtype, device, ...)
-    fields = [a.hex() if isinstance(a, bytes) else a for a in (*args[1:4], *args[6:])]
+    fields = [{"hex": a.hex()} if isinstance(a, bytes) else a for a in (*args[1:4], *args[6:])]
     return torch.frombuffer(bytearray(json.dumps(fields).ljust(HANDLE_BYTES), "utf-8"), dtype=torch.uint8)
 
 
 def _ipc_open(handle: Tensor) -> Tensor:
-    size, stride, offset, device, storage, *rest = json.loads(handle.numpy().tobytes())
-    nbytes, start, grad, counter, counter_offset, event, sync = rest
-    return rebuild_cuda_tensor(torch.Tensor, torch.Size(size), tuple(stride), offset, torch.TypedStorage, torch.uint8,
-                               device, bytes.fromhex(storage), nbytes, start, grad, bytes.fromhex(counter),
-                               counter_offset, event and bytes.fromhex(event), sync)
+    args = [bytes.fromhex(a["hex"]) if isinstance(a, dict) else a for a in json.loads(handle.numpy().tobytes())]
+    return rebuild_cuda_tensor(torch.Tensor, *args[:3], torch.TypedStorage, torch.uint8, *args[3:])
 
 
 def _ipc_works(group: SyncGroup) -> bool:
