@@ -4,6 +4,8 @@ routers work unchanged under EP; a checkpoint saved with EP resumes in another l
 next step; impossible layouts are refused naming the fix."""
 
 
+from functools import partial
+
 import pytest
 import torch
 from helpers.layouts import TOL, check_equals_one_rank, full, make_sample, make_worker, rl_two_steps, step, train_job
@@ -105,3 +107,43 @@ def test_expert_and_context_parallel_together_equal_one_rank(tmp_path_factory, t
     one_rank = train_job(0, 1, reserve_port(), model, {}, SAMPLES, None)
     check_equals_one_rank(model, SAMPLES, one_rank, 4, {"ep_size": 2, "cp_size": 2}, {"cp_size": 2},
                           str(tmp_path / "ckpt"))
+
+
+def test_grouped_experts_equal_the_per_expert_loop_forward_and_backward():
+    """transformers' grouped_mm experts (what instar trains with at ep 1) and instar's dispatch (its ep > 1 path,
+    here over one rank) equal transformers' per-expert loop: outputs, input and weight gradients. Tokens route to
+    only some of the experts: the others must get zero gradients, not none."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from instar.train.expert_parallel import apply_expert_parallel, dispatch_and_combine
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2)
+    hidden, grad = torch.randn(24, 32), torch.randn(24, 32)
+    weights, index = torch.randn(24, 8)[:, :6].softmax(-1).topk(2)  # experts 6 and 7 get no token
+    reference = Qwen3MoeExperts(config)
+    for p in reference.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        results = []
+        for impl in ("eager", "grouped_mm", "instar"):
+            experts = Qwen3MoeExperts(config)
+            experts.load_state_dict(reference.state_dict())
+            experts.config._experts_implementation = "grouped_mm" if impl == "instar" else impl
+            if impl == "instar":
+                apply_expert_parallel(torch.nn.Sequential(experts), init_device_mesh("cpu", (1,)))
+            x = hidden.clone().requires_grad_()
+            out = (partial(dispatch_and_combine, experts, dist.group.WORLD) if impl == "instar" else experts)(
+                x, index, weights)
+            out.backward(grad)
+            results.append([out, x.grad, *(full(p.grad) for p in experts.parameters())])
+    finally:
+        dist.destroy_process_group()
+    for got in results[1:]:
+        for a, b in zip(got, results[0], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert results[2][2][6:].abs().sum() == 0 and results[2][2][:6].abs().sum() > 0

@@ -19,7 +19,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
-from torch.nn import functional as F
+from transformers.integrations.moe import _grouped_mm  # torch's grouped matmul where it runs, else a loop
 
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:
@@ -46,7 +46,9 @@ def dispatch_and_combine(experts: nn.Module, group: dist.ProcessGroup, hidden: T
                          top_k_weights: Tensor) -> Tensor:
     """HF's experts forward (``[N, H]`` tokens, ``[N, k]`` expert ids and weights -> ``[N, H]``) with the
     experts spread over ``group``: send each (token, expert) pair to the expert's rank, run the local
-    experts on what arrived, send the results back, weight and sum them per token."""
+    experts on what arrived as grouped matmuls (one per projection), send the results back, weight and sum
+    them per token. The only counts read back to the host are the all-to-all's splits. Every local expert
+    gets a gradient, of zeros where no token came: FSDP's reduce-scatter needs every rank's."""
     ep = group.size()
     gate_up, down = experts.gate_up_proj.to_local(), experts.down_proj.to_local()
     local = gate_up.shape[0]  # experts on this rank: those of global ids [rank * local, (rank + 1) * local)
@@ -60,18 +62,14 @@ def dispatch_and_combine(experts: nn.Module, group: dist.ProcessGroup, hidden: T
     send_splits, recv_splits = sent.view(ep, local).sum(1).tolist(), got.sum(1).tolist()
     arrived = funcol.all_to_all_single_autograd(hidden[token], recv_splits, send_splits, group)
     # Pairs arrive grouped by source rank, then expert: regroup by expert to run each expert once.
-    expert_of = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(got.flatten())
+    expert_of = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(got.flatten(),
+                                                                                    output_size=sum(recv_splits))
     by_expert = expert_of.argsort(stable=True)
-    chunks = arrived[by_expert].split(got.sum(0).tolist())
-    out = torch.cat([_expert(experts, x, gate_up[e], down[e]) for e, x in enumerate(chunks)])
+    ends = got.sum(0).cumsum(0).to(torch.int32)  # of each local expert's pairs, regrouped
+    gate, up = _grouped_mm(arrived[by_expert], gate_up.transpose(1, 2), ends).chunk(2, dim=-1)
+    out = _grouped_mm(experts.act_fn(gate) * up, down.transpose(1, 2), ends)
     out = out.new_empty(out.shape).index_copy(0, by_expert, out)  # back to arrival order
     back = funcol.all_to_all_single_autograd(out, send_splits, recv_splits, group)
     weighted = back * top_k_weights.reshape(-1)[order, None]
     return torch.zeros_like(hidden).index_add(0, token, weighted.to(hidden.dtype))
 
-
-def _expert(experts: nn.Module, x: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
-    """One gated expert MLP, as HF computes it. Runs on empty ``x`` too: the weights stay in the
-    graph, so every rank gets a gradient (of zeros) for them and FSDP's reduce-scatter lines up."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(experts.act_fn(gate) * up, down)
