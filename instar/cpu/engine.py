@@ -43,9 +43,12 @@ class EngineAccelerator:
 def accelerator(model: nn.Module) -> EngineAccelerator | None:
     """The accelerator for ``model``'s engine (None when no part of it applies), saying in one line what it runs."""
     inner, lm_head = kv_model.decoder(model), model.lm_head
+    if model.device.type != "cpu":  # its kernels are the CPU's
+        print(f"instar: the CPU accelerator stays off: the engine runs on {model.device}", flush=True)
+        return None
     dense = [layer for layer in inner.layers if not kv_model.is_moe(layer)]
     fits = (dense and inner.embed_tokens.weight.dtype == torch.float32 and all(map(compilable, dense))
-            and getattr(lm_head, "bias", None) is None and inner.embed_tokens.weight.device.type == "cpu")
+            and getattr(lm_head, "bias", None) is None)
     if dense and not fits:
         print("instar: the engine's layers stay on plain PyTorch: the CPU accelerator compiles float32 dense layers "
               "on the CPU without projection biases and with a SiLU MLP", flush=True)

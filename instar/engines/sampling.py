@@ -93,17 +93,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], counts: list[int]
     """Sample one token per row of ``logits`` (B, V), each the ``counts[row]``-th of its request. Returns (token ids
     (B,) int64, logprobs (B,) float32). Rows at temperature 1 with no filter (all seeded or none) through
     ``accelerator`` when given and it takes them, from the same draws."""
+    device = logits.device
     untouched = all(p.temperature in (0, 1) and p.top_k <= 0 and p.top_p >= 1 and p.min_p <= 0 for p in params)
     seeded = [p.seed is not None for p in params]
     keys = torch.tensor([int.from_bytes(hashlib.blake2b(f"{p.seed}-{n}".encode(), digest_size=8).digest(), signed=True)
-                         if p.seed is not None else 0 for p, n in zip(params, counts)], device=logits.device
+                         if p.seed is not None else 0 for p, n in zip(params, counts)], device=device
                         ) if any(seeded) else None
     if accelerator is not None and untouched and all(p.temperature for p in params) and all(seeded) != (keys is None):
         if (sampled := accelerator.sample(logits, torch.rand(len(params)), keys)) is not None:
             return sampled
     raw = logits.float().log_softmax(dim=-1)
     processed = raw if untouched else filter_logits(logits, params).log_softmax(dim=-1)
-    device = logits.device
     tokens = race(processed, keys) if all(seeded) else _inverted(processed, torch.rand(len(params), device=device))
     if keys is not None and not all(seeded):
         tokens = torch.where(torch.tensor(seeded, device=device), race(processed, keys), tokens)

@@ -37,7 +37,7 @@ def make_engine(model_path: str, backend: str, cfg: EngineConfig, routing_replay
     if backend == "embedded":
         from instar.engines.embedded import EmbeddedEngine
 
-        if cpu is None or not cpu.enable or torch.cuda.is_available():  # its kernels are the CPU's
+        if cpu is None or not cpu.enable:
             return EmbeddedEngine.from_pretrained(model_path, cfg)
         from instar.cpu import engine_process
 

@@ -62,7 +62,7 @@ class Layout:
         self.rank: dict[str, int] = dict(zip(names, self.mesh.get_coordinate()))
         self.data_size = self.size["rep"] * self.size["dp"] * self.size["ep"]  # ranks that see different samples
         self.data_rank = (self.rank["rep"] * self.size["dp"] + self.rank["dp"]) * self.size["ep"] + self.rank["ep"]
-        self.shard_size = self.data_size * self.size["cp"]  # the ranks FSDP shards (and averages gradients) over
+        self.shard_size = self.data_size * self.size["cp"]  # the ranks gradients average over (FSDP's, replicas too)
         # the first rank of its cp x tp group: counts what the group computed together once
         self.lead = self.rank["cp"] == 0 and self.rank["tp"] == 0
 
